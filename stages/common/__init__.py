@@ -1,0 +1,1 @@
+"""Pieces every stage shares: drafter checkpoints, vocab maps, the verifier's lm_head, atomic outputs."""

@@ -1,0 +1,80 @@
+"""Run one stage alone: `python -m stages.NAME key=value ...` composes `conf/NAME/` with Hydra's override grammar.
+
+Composition errors (a typo in a key, a bad value) exit 2 with Hydra's message; bad input exits 1 with one
+RegraftError line; success prints the stage's summary table.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from rich.console import Console
+from rich.table import Table
+
+from stages.common.errors import RegraftError
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+@dataclass
+class StageResult:
+    """What a stage hands back: its output folder, its metrics, and a one-line headline."""
+
+    out: Path
+    metrics: dict[str, float] = field(default_factory=dict)
+    headline: str = ""
+
+
+def register_schema(stage: str, schema: type) -> None:
+    """Make `conf/STAGE/*.yaml` typed: their defaults list pulls `/schema/STAGE@_here_`."""
+    ConfigStore.instance().store(group="schema", name=stage, node=schema)
+
+
+def compose_stage(stage: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(str(CONF_DIR / stage), version_base="1.3"):
+        return compose("default", overrides=overrides)
+
+
+def render_result(stage: str, result: StageResult, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"{stage}: {result.headline}" if result.headline else stage)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in result.metrics.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+    console.print(f"output: {result.out}")
+
+
+def stage_main(stage: str, run: Callable[[DictConfig], StageResult], argv: list[str] | None = None) -> int:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help") for arg in overrides):
+        print(f"usage: python -m stages.{stage} key=value ...\n\ndefaults (conf/{stage}/default.yaml):")
+        print(OmegaConf.to_yaml(compose_stage(stage, [])))
+        return 0
+    try:
+        cfg = compose_stage(stage, overrides)
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            raise RegraftError(f"conf/{stage}/default.yaml", f"no value for {', '.join(missing)}",
+                               f"pass {' '.join(k + '=...' for k in missing)}")
+        result = run(cfg)
+    except (HydraException, OmegaConfBaseException) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except RegraftError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    render_result(stage, result)
+    return 0
+
+
+def to_container(cfg: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else dict(cfg)

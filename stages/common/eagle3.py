@@ -1,0 +1,200 @@
+"""The EAGLE-3 drafter as a torch module, loadable from either checkpoint layout.
+
+One decoder layer whose attention reads `cat(input_layernorm(embed), hidden_norm(h))` (2H wide), a residual on h,
+a SwiGLU MLP, then `norm` and `lm_head` over the draft vocab. `fc` projects the target's three concatenated aux
+hidden states (3 * H_target -> H) into h for the first draft step; later steps feed back the layer's own output.
+Parameter names match the sglang layout, so `state_dict()` is a checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stages.common.checkpoint import DrafterCheckpoint, DrafterConfig, Layout, write_drafter
+from stages.common.vocab import VocabMap
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before scaling, as Llama does, so bf16 matches the engines.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding in the Llama (rotate-half) convention; x is [B, heads, T, head_dim]."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim))
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, head_dim/2]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, head_dim]
+    return (x.float() * angles.cos() + rotate_half(x.float()) * angles.sin()).to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """Keys and values of earlier positions, [B, kv_heads, T, head_dim] each."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = keys if self.keys is None else torch.cat((self.keys, keys), dim=2)
+        self.values = values if self.values is None else torch.cat((self.values, values), dim=2)
+        return self.keys, self.values
+
+    def truncate(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        H, bias = config.hidden_size, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.rope_theta = config.rope_theta
+        self.q_proj = nn.Linear(2 * H, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(2 * H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(2 * H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rope(q, position_ids, self.rope_theta), rope(k, position_ids, self.rope_theta)
+        past = 0 if cache is None else cache.length
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if attention_mask is None:  # causal over the cached prefix plus the new positions
+            attention_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual = config.norm_before_residual
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = Eagle3MLP(H, config.intermediate_size)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        x = torch.cat((self.input_layernorm(embeds), normed_hidden), dim=-1)
+        h = residual + self.self_attn(x, position_ids, cache, attention_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor  # [B, T, draft_vocab]
+    hidden: torch.Tensor  # [B, T, H], the layer output before `norm`: the next draft step's input
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(3 * config.aux_hidden_size, H, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    @classmethod
+    def from_checkpoint(cls, source: str | Path | DrafterCheckpoint, dtype: torch.dtype | None = None,
+                        device: str | torch.device = "cpu") -> "Eagle3Drafter":
+        """Load either layout; every tensor is read once and assigned, never copied into a second model."""
+        checkpoint = source if isinstance(source, DrafterCheckpoint) else DrafterCheckpoint.open(source)
+        with torch.device("meta"):
+            model = cls(checkpoint.config)
+        names = model.state_dict().keys()
+        state = {}
+        for name in names:
+            tensor = checkpoint.tensor(name).to(device)
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            state[name] = tensor
+        model.load_state_dict(state, assign=True)
+        return model
+
+    @classmethod
+    def initialised(cls, config: DrafterConfig, vocab_map: VocabMap, seed: int = 0) -> "Eagle3Drafter":
+        """A fresh drafter (torch's default init) carrying `vocab_map`."""
+        generator_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            model = cls(config)
+        finally:
+            torch.random.set_rng_state(generator_state)
+        model.set_vocab_map(vocab_map)
+        return model
+
+    def set_vocab_map(self, vocab_map: VocabMap) -> None:
+        self.d2t.copy_(vocab_map.d2t)
+        self.t2d.copy_(vocab_map.t2d)
+
+    def vocab_map(self) -> VocabMap:
+        return VocabMap(self.d2t.cpu(), self.t2d.cpu(), source="<module>")
+
+    def save(self, out_dir: str | Path, layout: Layout = "sglang") -> Path:
+        state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
+        return write_drafter(out_dir, self.config, state, layout)
+
+    def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, 3 * H_target] concatenated aux hidden states -> [B, T, H]."""
+        return self.fc(aux_hidden)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> DraftOutput:
+        if position_ids is None:
+            start = 0 if cache is None else cache.length
+            position_ids = torch.arange(start, start + embeds.shape[1], device=embeds.device)[None]
+        out = self.midlayer(embeds, hidden, position_ids, cache, attention_mask)
+        return DraftOutput(logits=self.lm_head(self.norm(out)), hidden=out)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.d2t[draft_ids] + draft_ids
