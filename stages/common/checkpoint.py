@@ -67,6 +67,8 @@ class DrafterConfig:
     target_num_layers: int | None = None
     norm_before_residual: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys, kept as they were
+    # Keys only one layout understands, by layout; written in that layout, stashed in the `regraft` block otherwise.
+    layout_extras: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def hidden_size(self) -> int:
@@ -150,6 +152,12 @@ SGLANG_KEYS = {"architectures", "draft_vocab_size", "target_hidden_size", "eagle
                "eagle_aux_hidden_state_layer_ids", "norm_before_residual"}
 SPECULATORS_KEYS = {"architectures", "speculators_model_type", "transformer_layer_config", "draft_vocab_size",
                     "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "regraft"}
+SPECULATORS_ONLY_KEYS = {"speculators_config", "speculators_version", "embed_requires_grad", "enable_sp_ulysses"}
+DEFAULT_SPECULATORS_CONFIG = {
+    "algorithm": "eagle3", "default_proposal_method": "greedy",
+    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+    "verifier": {"name_or_path": None, "architectures": []},
+}
 
 
 def detect_layout(raw: dict[str, Any], path: Path) -> Layout:
@@ -172,21 +180,29 @@ def _infer_convention(ids: list[int] | None, layout: Layout) -> tuple[str, str]:
 
 def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig]:
     layout = detect_layout(raw, path)
+    recorded = dict(raw.get("regraft") or {})
+    layout_extras = {name: dict(keys) for name, keys in (recorded.get("layout_extras") or {}).items()}
     if layout == "sglang":
         layer = {k: v for k, v in raw.items() if k not in SGLANG_KEYS}
         eagle = dict(raw.get("eagle_config") or {})
         ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.pop("eagle_aux_hidden_state_layer_ids", None)
-        extra = {"eagle_config": eagle} if eagle else {}
+        if ids and eagle.get("use_aux_hidden_state") is True:
+            del eagle["use_aux_hidden_state"]  # implied by the ids; rendering sets it again
+        own = {"eagle_config": eagle} if eagle else {}
+        extra = {}
     else:
         layer = dict(raw.get("transformer_layer_config") or {})
         ids = raw.get("eagle_aux_hidden_state_layer_ids")
-        extra = {k: v for k, v in raw.items() if k not in SPECULATORS_KEYS}
+        rest = {k: v for k, v in raw.items() if k not in SPECULATORS_KEYS}
+        own = {k: v for k, v in rest.items() if k in SPECULATORS_ONLY_KEYS and k not in recorded.get("generated", [])}
+        extra = {k: v for k, v in rest.items() if k not in SPECULATORS_ONLY_KEYS}
+    if own:
+        layout_extras[layout] = own
     for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in layer:
             raise RegraftError(path, f"{layout} drafter config has no {key}", "add the Llama layer fields")
     if "draft_vocab_size" not in raw:
         raise RegraftError(path, "drafter config has no draft_vocab_size", "set it to the lm_head row count")
-    recorded = raw.get("regraft") or {}
     if recorded.get("aux_convention") in CONVENTIONS:
         convention, source = recorded["aux_convention"], "recorded"
     else:
@@ -195,15 +211,16 @@ def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig
         layer=layer, draft_vocab_size=int(raw["draft_vocab_size"]), target_hidden_size=raw.get("target_hidden_size"),
         aux_layer_ids=list(ids) if ids else None, aux_convention=convention, aux_convention_source=source,
         target_num_layers=recorded.get("target_num_layers"),
-        norm_before_residual=bool(raw.get("norm_before_residual", False)), extra=extra)
+        norm_before_residual=bool(raw.get("norm_before_residual", False)), extra=extra, layout_extras=layout_extras)
     return layout, config
 
 
 def render_config(config: DrafterConfig, layout: Layout) -> dict[str, Any]:
-    regraft = {"aux_convention": config.aux_convention, "target_num_layers": config.target_num_layers}
-    extra = dict(config.extra)
+    own = dict(config.layout_extras.get(layout, {}))
+    stashed = {name: keys for name, keys in config.layout_extras.items() if name != layout and keys}
+    regraft: dict[str, Any] = {"aux_convention": config.aux_convention, "target_num_layers": config.target_num_layers}
     if layout == "sglang":
-        eagle = dict(extra.pop("eagle_config", {}) or {})
+        eagle = dict(own.pop("eagle_config", {}))
         if config.aux_layer_ids is not None:
             eagle["eagle_aux_hidden_state_layer_ids"] = list(config.aux_layer_ids)
             eagle.setdefault("use_aux_hidden_state", True)
@@ -215,16 +232,17 @@ def render_config(config: DrafterConfig, layout: Layout) -> dict[str, Any]:
             raw["norm_before_residual"] = True
         if eagle:
             raw["eagle_config"] = eagle
-        return {**raw, **extra, "regraft": regraft}
-    raw = {"architectures": [SPECULATORS_ARCH], "speculators_model_type": "eagle3",
-           "transformer_layer_config": dict(config.layer), "draft_vocab_size": config.draft_vocab_size,
-           "norm_before_residual": config.norm_before_residual, "target_hidden_size": config.target_hidden_size,
-           "eagle_aux_hidden_state_layer_ids": config.aux_layer_ids}
-    extra.setdefault("speculators_config", {
-        "algorithm": "eagle3", "default_proposal_method": "greedy",
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-        "verifier": {"name_or_path": None, "architectures": []}})
-    return {**raw, **extra, "regraft": regraft}
+    else:
+        raw = {"architectures": [SPECULATORS_ARCH], "speculators_model_type": "eagle3",
+               "transformer_layer_config": dict(config.layer), "draft_vocab_size": config.draft_vocab_size,
+               "norm_before_residual": config.norm_before_residual, "target_hidden_size": config.target_hidden_size,
+               "eagle_aux_hidden_state_layer_ids": config.aux_layer_ids}
+        if "speculators_config" not in own:  # vLLM reads the proposal method and verifier from it
+            own["speculators_config"] = DEFAULT_SPECULATORS_CONFIG
+            regraft["generated"] = ["speculators_config"]
+    if stashed:
+        regraft["layout_extras"] = stashed
+    return {**raw, **own, **config.extra, "regraft": regraft}
 
 
 def file_name(canonical: str, layout: Layout) -> str:
