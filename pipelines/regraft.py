@@ -55,7 +55,16 @@ def ensure_world(cfg: DictConfig) -> StageResult | None:
     return result
 
 
+def check_given_inputs(cfg: DictConfig) -> None:
+    """Fail before any work when a user-given input is absent (built-in ones appear with the world)."""
+    for group, key in (("target", "path"), ("source", "path"), ("data", "train")):
+        if not cfg[group].builtin and not Path(cfg[group][key]).exists():
+            raise RegraftError(cfg[group][key], f"{group}.{key} does not exist",
+                               f"point {group}.{key}= at it, or use the built-in example ({group}=toy)")
+
+
 def run_pipeline(cfg: DictConfig, run_dir: Path) -> dict[str, StageResult]:
+    check_given_inputs(cfg)
     results: dict[str, StageResult] = {}
     timings: dict[str, float] = {}
 

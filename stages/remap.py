@@ -219,7 +219,7 @@ def run(cfg: DictConfig) -> StageResult:
             "drafter": str(Path(cfg.drafter).absolute()), "vocab_map": str(Path(cfg.vocab_map).absolute()),
             "verifier": cfg.verifier and str(Path(cfg.verifier).absolute())})
     headline = (f"{counts.rows_remapped} rows remapped, {counts.rows_from_fallback} from {Fallback(cfg.fallback).value}, "
-                f"{counts.source_rows_dropped} source rows dropped (before: {comparison.headline()})")
+                f"{counts.source_rows_dropped} source rows dropped")
     return StageResult(Path(cfg.out), metrics, headline)
 
 
