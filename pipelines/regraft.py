@@ -26,8 +26,8 @@ from rich.table import Table
 
 import pipelines.schema  # noqa: F401  (registers the pipeline-level schemas)
 from stages import compare, remap, vocab_map, world
-from stages.common.artifacts import read_manifest, write_json_atomic
-from stages.common.cli import CONF_DIR, StageResult, to_container
+from stages.common.artifacts import plain_config, read_manifest, write_json_atomic
+from stages.common.cli import CONF_DIR, StageResult
 from stages.common.errors import RegraftError
 
 
@@ -46,13 +46,9 @@ def ensure_world(cfg: DictConfig) -> StageResult | None:
         return None
     world_cfg = stage_config(cfg.world, out=cfg.paths.world)
     manifest = read_manifest(world_cfg.out)
-    if manifest and manifest.get("config") == to_container(world_cfg):
+    if manifest and manifest.get("config") == plain_config(world_cfg):
         return StageResult(Path(world_cfg.out), manifest.get("metrics", {}), "reused")
-    result = world.run(world_cfg)
-    manifest = read_manifest(world_cfg.out)
-    manifest["config"] = to_container(world_cfg)
-    write_json_atomic(Path(world_cfg.out) / "manifest.json", manifest)
-    return result
+    return world.run(world_cfg)
 
 
 def check_given_inputs(cfg: DictConfig) -> None:
@@ -110,7 +106,7 @@ def main(cfg: DictConfig) -> None:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)
     summary = {name: {"out": str(r.out), "headline": r.headline, "metrics": r.metrics} for name, r in results.items()}
-    write_json_atomic(run_dir / "summary.json", {"config": to_container(cfg), "stages": summary})
+    write_json_atomic(run_dir / "summary.json", {"config": plain_config(cfg), "stages": summary})
     print_summary(results, console)
     console.print(f"summary: {run_dir / 'summary.json'}")
 

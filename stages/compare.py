@@ -71,7 +71,7 @@ def run(cfg: DictConfig) -> StageResult:
     metrics = {k: v for k, v in asdict(comparison).items() if v is not None}
     out = Path(cfg.out) if cfg.out else Path(".")
     if cfg.out:
-        with staged_output(cfg.out, "compare") as staged:
+        with staged_output(cfg.out, "compare", cfg) as staged:
             report = {**asdict(comparison), "headline": comparison.headline(), "a": cfg.a, "b": cfg.b}
             (staged.path / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
             staged.update(metrics=metrics, headline=comparison.headline())

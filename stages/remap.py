@@ -209,7 +209,7 @@ def run(cfg: DictConfig) -> StageResult:
     tensors = plan_tensors(cfg, source, dest, plan, verifier)
     metrics = {**asdict(counts), "positions_agree_before": comparison.positions_agree,
                "shared_ids": comparison.shared_ids}
-    with staged_output(cfg.out, "remap") as staged:
+    with staged_output(cfg.out, "remap", cfg) as staged:
         write_drafter(staged.path, config, tensors, layout)
         report = {"counts": asdict(counts), "comparison": asdict(comparison), "headline": comparison.headline(),
                   "fallback": Fallback(cfg.fallback).value, "layout": layout, "source_layout": source.layout,

@@ -206,7 +206,7 @@ def run(cfg: DictConfig) -> StageResult:
         "padded_ids": max(0, vocab_map.draft_vocab_size - distinct),
         "coverage": float(tally.counts[vocab_map.target_ids].sum()) / assistant_tokens,
     }
-    with staged_output(cfg.out, "vocab_map") as staged:
+    with staged_output(cfg.out, "vocab_map", cfg) as staged:
         write_safetensors(staged.path / VOCAB_MAP_FILE, [spec_of("d2t", vocab_map.d2t), spec_of("t2d", vocab_map.t2d),
                           spec_of("token_counts", tally.counts)], metadata={"format": "pt"})
         save_coverage_plot(tally.counts, vocab_map.draft_vocab_size, staged.path / "coverage.png")

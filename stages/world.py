@@ -45,7 +45,7 @@ def run(cfg: DictConfig) -> StageResult:
     docs = docs[: cfg.max_docs]
     if not docs:
         raise RegraftError(None, "found no stdlib docstrings", "run with a CPython that ships its .py sources")
-    with staged_output(cfg.out, "world") as staged:
+    with staged_output(cfg.out, "world", cfg) as staged:
         root = staged.path
         for domain in ("a", "b"):
             rows = [as_conversation(doc, i) for i, doc in enumerate(docs) if doc.domain == domain]

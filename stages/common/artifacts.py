@@ -23,6 +23,13 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     os.replace(tmp, path)
 
 
+def plain_config(config: Any) -> Any:
+    """An OmegaConf config as plain resolved containers (enums as their names); other values unchanged."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(config, resolve=True, enum_to_str=True) if OmegaConf.is_config(config) else config
+
+
 def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
     """The manifest of a complete stage output, or None when the folder is absent or incomplete."""
     path = Path(out_dir) / MANIFEST
@@ -45,13 +52,18 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 @contextmanager
-def staged_output(out_dir: str | Path, stage: str) -> Iterator["StagedOutput"]:
-    """Yield a temp folder to write into; on success the manifest is written last and the folder renamed."""
+def staged_output(out_dir: str | Path, stage: str, config: Any = None) -> Iterator["StagedOutput"]:
+    """Yield a temp folder to write into; on success the manifest is written last and the folder renamed.
+
+    `config` (the stage's resolved config) is recorded in the manifest, so an output describes how it was made.
+    """
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     staged = StagedOutput(stage=stage, tmp=tmp, final=out)
+    if config is not None:
+        staged.update(config=plain_config(config))
     try:
         yield staged
         staged.seal()

@@ -366,11 +366,16 @@ def write_drafter(out_dir: str | Path, config: DrafterConfig, tensors: dict[str,
 def convert_checkpoint(source: str | Path, out_dir: str | Path, layout: Layout,
                        aux_convention: str | None = None) -> Path:
     """Rewrite a checkpoint in another layout (and optionally aux convention), streaming its tensors."""
+    from stages.common.artifacts import staged_output
+
     checkpoint = DrafterCheckpoint.open(source)
     config = checkpoint.config
     if aux_convention and aux_convention != config.aux_convention:
         config = config.with_aux_convention(aux_convention)
-    return write_drafter(out_dir, config, {name: checkpoint.spec(name) for name in checkpoint.names()}, layout)
+    with staged_output(out_dir, "convert", {"source": str(source), "layout": layout,
+                                            "aux_convention": config.aux_convention}) as staged:
+        write_drafter(staged.path, config, {name: checkpoint.spec(name) for name in checkpoint.names()}, layout)
+    return Path(out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

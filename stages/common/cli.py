@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -74,7 +74,3 @@ def stage_main(stage: str, run: Callable[[DictConfig], StageResult], argv: list[
         return 1
     render_result(stage, result)
     return 0
-
-
-def to_container(cfg: Any) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else dict(cfg)
