@@ -8,21 +8,23 @@ each in a fresh subprocess (so each peak is that method's own):
   naive  safetensors.torch.load_file of the whole drafter and the verifier's lm_head, a Python loop over the
          destination rows, then save_file
 
-Synthetic inputs, written streaming (never held in memory): a drafter of hidden 7168, 64 heads x head_dim 128,
-intermediate 18432, draft vocab 32000, target vocab 163840, bf16 (~2.4 GB); a verifier folder holding only its
-lm_head [163840, 7168] bf16 (~2.35 GB); and a destination vocab map (SpecForge .pt) sharing 80% of the source's ids.
+Synthetic inputs, written streaming (never held in memory): a drafter of hidden 7168, 64 heads (64 kv heads, which
+gives the ~2.4 GB of a Kimi-K2.5 drafter) x head_dim 128, intermediate 18432, draft vocab 32000, target vocab 163840,
+bf16; a verifier folder holding only its lm_head [163840, 7168] bf16 (~2.35 GB); and a destination vocab map
+(SpecForge .pt) sharing 80% of the source's target ids.
 
-Each method runs once with a cold page cache (when `echo 3 > /proc/sys/vm/drop_caches` works) and once warm
-(after reading every input once). Times exclude interpreter start-up and imports; "sync s" is the os.sync() that
-follows, i.e. the time until the written bytes are on disk. "peak RSS" is the child's VmHWM, which counts file pages
-mapped into the process (safetensors memory-maps); "over base" subtracts the child's VmHWM after its imports;
-"peak anon" is RssAnon sampled every few ms (heap only, file pages excluded). VmHWM rather than ru_maxrss: Linux
-carries the pre-exec hiwater (the forked copy of this driver) into the child's ru_maxrss.
-Afterwards the remap and naive outputs are checked to be identical.
+Each method runs --repeat times with a cold page cache (when `echo 3 > /proc/sys/vm/drop_caches` works) and
+--repeat times warm (after reading every input once); the fastest run of each is shown, with all run times and the
+load average (other processes on the machine skew times). Wall times exclude interpreter start-up and imports;
+"sync s" is the os.sync() that follows, i.e. until the written bytes are on disk. "peak RSS" is the child's VmHWM:
+it includes the ~230 MB of interpreter + torch and every memory-mapped file page the method touched (safetensors
+memory-maps its files). "heap +MB" is the growth of RssAnon (sampled every 2 ms), i.e. what the method allocated.
+VmHWM, not ru_maxrss: Linux carries the pre-exec hiwater (this driver, forked) into a child's ru_maxrss.
+Afterwards the remap and naive outputs are checked to be identical, tensor by tensor.
 
     .venv/bin/python bench/remap.py            # full size: ~5 GB of inputs, a few minutes
     .venv/bin/python bench/remap.py --small    # hidden 1024, quick check
-    .venv/bin/python bench/remap.py --keep --workdir /tmp/bench   # keep the files
+    .venv/bin/python bench/remap.py --repeat 3 --workdir /var/tmp/bench --keep
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,24 +220,28 @@ class AnonPeak:
 
 def child(method: str, drafter: str, vocab_map: str, verifier: str, out: str) -> None:
     # every child imports the same modules before measuring, so the baselines match
+    import resource
+
     import safetensors.torch  # noqa: F401
     from stages import remap  # noqa: F401
     from stages.common.cli import compose_stage  # noqa: F401
 
     run = {"copy": method_copy, "remap": method_remap, "naive": method_naive}[method]
     baseline_kb, baseline_anon_kb = status_kb("VmHWM"), status_kb("RssAnon")
+    before = resource.getrusage(resource.RUSAGE_SELF)
     with AnonPeak() as anon:
         start = time.perf_counter()
         run(Path(drafter), Path(vocab_map), Path(verifier), Path(out))
         seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
     peak_kb = status_kb("VmHWM")
     start = time.perf_counter()
     os.sync()
     sync_seconds = time.perf_counter() - start
-    print(json.dumps({"method": method, "seconds": seconds, "sync_seconds": sync_seconds,
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)  # includes the sampler thread
+    print(json.dumps({"method": method, "seconds": seconds, "cpu_seconds": cpu, "sync_seconds": sync_seconds,
                       "baseline_mb": baseline_kb / 1024, "peak_rss_mb": peak_kb / 1024,
-                      "peak_anon_mb": anon.peak_kb / 1024,
-                      "baseline_anon_mb": baseline_anon_kb / 1024}))
+                      "baseline_anon_mb": baseline_anon_kb / 1024, "peak_anon_mb": anon.peak_kb / 1024}))
 
 
 # ---------------------------------------------------------------- driver
@@ -297,29 +303,33 @@ def print_report(sizes: Sizes, inputs: dict[str, Path], rows: list[tuple[str, di
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=150)
+    console = Console(width=160)
     lm_head_mb = sizes.lm_head_bytes / MB
     console.print(f"sizes: hidden {sizes.hidden}, heads {sizes.heads} (kv {sizes.kv_heads}) x head_dim "
                   f"{sizes.head_dim}, intermediate {sizes.intermediate}, draft vocab {sizes.draft_vocab}, "
                   f"target vocab {sizes.target_vocab}, bf16")
-    console.print(f"files: drafter {dir_bytes(inputs['drafter']) / MB:,.0f} MB, verifier "
+    console.print(f"files (MB = 2^20 bytes): drafter {dir_bytes(inputs['drafter']) / MB:,.0f} MB, verifier "
                   f"{dir_bytes(inputs['verifier']) / MB:,.0f} MB, lm_head {lm_head_mb:,.0f} MB "
-                  f"({sizes.draft_vocab}x{sizes.hidden}x2 B), dest map {dir_bytes(inputs['vocab_map']) / MB:.1f} MB; "
-                  f"inputs written in {setup_seconds:.0f} s")
+                  f"({sizes.draft_vocab}x{sizes.hidden}x2 B = {sizes.lm_head_bytes / 1e6:,.0f} decimal MB), "
+                  f"dest map {dir_bytes(inputs['vocab_map']) / MB:.1f} MB; inputs written in {setup_seconds:.0f} s")
     baselines = [r["baseline_mb"] for _, r in rows]
     console.print(f"baseline: a child's VmHWM after its imports, before the method runs: "
-                  f"{min(baselines):.0f}-{max(baselines):.0f} MB")
-    table = Table(title="remap benchmark (MB = 2^20 bytes)")
-    for column in ("cache", "method", "wall time s", "vs copy", "sync s", "peak RSS MB", "vs lm_head",
-                   "over base MB", "vs lm_head", "peak anon MB"):
-        table.add_column(column, justify="left" if column in ("cache", "method") else "right")
-    over_base = lambda r: r["peak_rss_mb"] - r["baseline_mb"]
+                  f"{min(baselines):.0f}-{max(baselines):.0f} MB (included in peak RSS)")
+    table = Table(title="remap benchmark: best of the runs per row")
+    for column in ("cache", "method", "wall s", "vs copy", "runs s", "cpu s", "sync s", "peak RSS MB",
+                   "vs lm_head", "heap +MB", "vs lm_head", "load"):
+        table.add_column(column, justify="left" if column in ("cache", "method", "runs s") else "right")
+    heap = lambda r: r["peak_anon_mb"] - r["baseline_anon_mb"]
     copy_seconds = {cache: r["seconds"] for cache, r in rows if r["method"] == "copy"}
     for cache, r in rows:
         table.add_row(cache, r["method"], f"{r['seconds']:.2f}", f"{r['seconds'] / copy_seconds[cache]:.2f}x",
+                      " ".join(f"{s:.2f}" for s in r["all_seconds"]), f"{r['cpu_seconds']:.2f}",
                       f"{r['sync_seconds']:.2f}", f"{r['peak_rss_mb']:,.0f}", f"{r['peak_rss_mb'] / lm_head_mb:.2f}x",
-                      f"{over_base(r):,.0f}", f"{over_base(r) / lm_head_mb:.2f}x", f"{r['peak_anon_mb']:,.0f}")
+                      f"{heap(r):,.0f}", f"{heap(r) / lm_head_mb:.2f}x", f"{r['load']:.2f}")
     console.print(table)
+    console.print("wall s: the method alone (no start-up, no imports); cpu s: user+sys of the child meanwhile; "
+                  "sync s: os.sync() after it;\npeak RSS: VmHWM, counting memory-mapped file pages; heap +MB: peak "
+                  "RssAnon (sampled) minus the child's RssAnon before it; load: 1-min load average at the start.")
     console.print(verdict)
     for cache in dict(rows):
         remap = next(r for c, r in rows if c == cache and r["method"] == "remap")
@@ -327,9 +337,20 @@ def print_report(sizes: Sizes, inputs: dict[str, Path], rows: list[tuple[str, di
         rss_ratio = remap["peak_rss_mb"] / lm_head_mb
         console.print(f"goals ({cache}): remap time {time_ratio:.2f}x copy (goal <= 1.5x: "
                       f"{'met' if time_ratio <= 1.5 else 'MISSED'}); remap peak RSS {rss_ratio:.2f}x lm_head "
-                      f"(goal <= 2x: {'met' if rss_ratio <= 2 else 'MISSED'}; over baseline: "
-                      f"{over_base(remap) / lm_head_mb:.2f}x; heap over baseline: "
-                      f"{(remap['peak_anon_mb'] - remap['baseline_anon_mb']) / lm_head_mb:.2f}x)")
+                      f"(goal <= 2x: {'met' if rss_ratio <= 2 else 'MISSED'}; heap growth alone: "
+                      f"{heap(remap) / lm_head_mb:.2f}x)")
+
+
+def best_run(method: str, inputs: dict[str, Path], out: Path, repeat: int, cold: bool) -> dict:
+    """Run `method` `repeat` times in fresh children; the fastest run, with every run's wall time and load."""
+    runs = []
+    for _ in range(repeat):
+        if cold:
+            drop_page_cache()
+        load = os.getloadavg()[0]
+        runs.append({**run_child(method, inputs, out), "load": load})
+    best = min(runs, key=lambda r: r["seconds"])
+    return {**best, "all_seconds": [r["seconds"] for r in runs]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a temp folder is made under it (default: outputs/bench)")
     parser.add_argument("--keep", action="store_true", help="keep the temp folder with inputs and outputs")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache pass")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per method and cache state; the fastest shows")
     parser.add_argument("--child", nargs=5, metavar=("METHOD", "DRAFTER", "MAP", "VERIFIER", "OUT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -357,14 +379,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_cold:
             if drop_page_cache():
                 for method in METHODS:
-                    drop_page_cache()
-                    rows.append(("cold", run_child(method, inputs, root / f"out-{method}")))
+                    rows.append(("cold", best_run(method, inputs, root / f"out-{method}", args.repeat, cold=True)))
             else:
                 print("cannot write /proc/sys/vm/drop_caches: cold pass skipped")
         os.sync()
         read_through(list(inputs.values()))  # warm-up read, so every method starts from the same cache
         for method in METHODS:
-            rows.append(("warm", run_child(method, inputs, root / f"out-{method}")))
+            rows.append(("warm", best_run(method, inputs, root / f"out-{method}", args.repeat, cold=False)))
         verdict = check_outputs(root / "out-remap", root / "out-naive", round(SHARED_FRACTION * sizes.draft_vocab))
         print_report(sizes, inputs, rows, verdict, setup_seconds)
     finally:
