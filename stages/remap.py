@@ -27,13 +27,10 @@ from stages.common.artifacts import staged_output
 from stages.common.checkpoint import DrafterCheckpoint, write_drafter
 from stages.common.cli import StageResult, register_schema, stage_main
 from stages.common.errors import RegraftError
-from stages.common.tensor_io import TensorSpec, spec_of
+from stages.common.tensor_io import ROWS_PER_CHUNK, TensorSpec, spec_of
 from stages.common.verifier import Verifier
 from stages.common.vocab import VocabMap, load_vocab_map
 from stages.compare import compare_vocab_maps
-
-ROWS_PER_CHUNK = 2048
-
 
 class Fallback(str, Enum):
     verifier = "verifier"
@@ -105,61 +102,76 @@ def mean_row_norm(chunks: Iterator[torch.Tensor]) -> float:
     return total / max(rows, 1)
 
 
+RowReader = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, buffer to fill if it can) -> rows
+
+
+def verifier_rows(verifier: Verifier, dtype: torch.dtype) -> RowReader:
+    """Read verifier rows straight into the buffer when dtypes agree, else read and convert."""
+    if verifier.lm_head_dtype == dtype:
+        return lambda ids, out: verifier.lm_head_rows(ids, out)
+    return lambda ids, out: verifier.lm_head_rows(ids).to(dtype)
+
+
 class FallbackRows:
     """Produces the rows of destination positions the source vocab lacks, in order of position."""
 
     def __init__(self, cfg: DictConfig, source: DrafterCheckpoint, plan: RemapPlan, verifier: Verifier | None):
         self.kind = Fallback(cfg.fallback)
-        self.source, self.verifier = source, verifier
         self.dtype = source.dtype("lm_head.weight")
-        hidden = source.config.hidden_size
+        self.hidden = source.config.hidden_size
         self.scale = 1.0
         self.generator = torch.Generator().manual_seed(int(cfg.seed))
-        self.bound = 1.0 / math.sqrt(hidden)  # nn.Linear's default init, as a fresh drafter gets
-        lm_head_chunks = lambda: source.files.iter_row_chunks(source.stored_names["lm_head.weight"], ROWS_PER_CHUNK)
+        self.bound = 1.0 / math.sqrt(self.hidden)  # nn.Linear's default init, as a fresh drafter gets
         if self.kind is Fallback.verifier:
             if verifier is None:
                 raise RegraftError(cfg.drafter, "fallback=verifier needs the target model",
                                    "pass verifier=TARGET_DIR, or choose fallback=random|mean")
-            if verifier.hidden_size != hidden:
-                raise RegraftError(verifier.path, f"target hidden {verifier.hidden_size} != drafter hidden {hidden}, "
-                                   "so its lm_head rows do not fit", "choose fallback=random or fallback=mean")
+            if verifier.hidden_size != self.hidden:
+                raise RegraftError(verifier.path, f"target hidden {verifier.hidden_size} != drafter hidden "
+                                   f"{self.hidden}, so its lm_head rows do not fit",
+                                   "choose fallback=random or fallback=mean")
+            self.read_verifier = verifier_rows(verifier, self.dtype)
             if cfg.match_source_scale and plan.from_fallback:
                 missing = plan.dest_ids[plan.source_rows < 0]
                 verifier_norm = mean_row_norm(iter([verifier.lm_head_rows(missing)]))
-                self.scale = mean_row_norm(lm_head_chunks()) / max(verifier_norm, 1e-12)
+                self.scale = mean_row_norm(source.row_chunks("lm_head.weight")) / max(verifier_norm, 1e-12)
         if self.kind is Fallback.mean:
-            total = torch.zeros(hidden, dtype=torch.float64)
-            for chunk in lm_head_chunks():
+            total = torch.zeros(self.hidden, dtype=torch.float64)
+            for chunk in source.row_chunks("lm_head.weight"):
                 total += chunk.double().sum(0)
             self.mean_row = (total / source.config.draft_vocab_size).to(self.dtype)
 
-    def rows(self, target_ids: torch.Tensor) -> torch.Tensor:
-        count = target_ids.numel()
+    def rows(self, target_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.kind is Fallback.verifier:
-            return (self.verifier.lm_head_rows(target_ids).float() * self.scale).to(self.dtype)
+            rows = self.read_verifier(target_ids, out)
+            return rows if self.scale == 1.0 else (rows.float() * self.scale).to(self.dtype)
         if self.kind is Fallback.mean:
-            return self.mean_row.expand(count, -1).clone()
-        shape = (count, self.source.config.hidden_size)
+            return self.mean_row.expand(target_ids.numel(), -1)
+        shape = (target_ids.numel(), self.hidden)
         return (torch.rand(shape, generator=self.generator) * 2 - 1).mul_(self.bound).to(self.dtype)
 
 
-def remapped_rows_spec(name: str, plan: RemapPlan, read_source: Callable[[torch.Tensor], torch.Tensor],
-                       read_fallback: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
-                       width: int) -> TensorSpec:
-    """Stream a [N_dst, width] tensor chunk by chunk: source rows where the plan has them, fallback rows elsewhere."""
+def remapped_rows_spec(name: str, plan: RemapPlan, read_source: RowReader, read_fallback: RowReader,
+                       dtype: torch.dtype, width: int) -> TensorSpec:
+    """Stream a [N_dst, width] tensor chunk by chunk: source rows where the plan has them, fallback rows elsewhere.
+
+    Two buffers are reused for every chunk (the writer consumes a chunk before asking for the next), so memory
+    stays at two chunks whatever the vocab size.
+    """
 
     def chunks() -> Iterator[torch.Tensor]:
+        chunk = torch.empty((ROWS_PER_CHUNK, width), dtype=dtype)
+        staging = torch.empty((ROWS_PER_CHUNK, width), dtype=dtype)
         for start in range(0, plan.source_rows.numel(), ROWS_PER_CHUNK):
             rows = plan.source_rows[start:start + ROWS_PER_CHUNK]
             ids = plan.dest_ids[start:start + ROWS_PER_CHUNK]
-            chunk = torch.empty((rows.numel(), width), dtype=dtype)
-            have = rows >= 0
-            if have.any():
-                chunk[have] = read_source(rows[have]).to(dtype)
-            if (~have).any():
-                chunk[~have] = read_fallback(ids[~have]).to(dtype)
-            yield chunk
+            view = chunk[: rows.numel()]
+            have, lack = torch.nonzero(rows >= 0).flatten(), torch.nonzero(rows < 0).flatten()
+            if have.numel():
+                view.index_copy_(0, have, read_source(rows[have], staging[: have.numel()]).to(dtype))
+            if lack.numel():
+                view.index_copy_(0, lack, read_fallback(ids[lack], staging[: lack.numel()]).to(dtype))
+            yield view
 
     return TensorSpec(name, dtype, (plan.source_rows.numel(), width), chunks)
 
@@ -169,16 +181,18 @@ def plan_tensors(cfg: DictConfig, source: DrafterCheckpoint, dest: VocabMap, pla
     fallback = FallbackRows(cfg, source, plan, verifier)
     tensors = {name: source.spec(name) for name in source.names()}
     tensors["lm_head.weight"] = remapped_rows_spec(
-        "lm_head.weight", plan, lambda rows: source.gather_rows("lm_head.weight", rows), fallback.rows,
+        "lm_head.weight", plan, lambda rows, out: source.gather_rows("lm_head.weight", rows, out), fallback.rows,
         source.dtype("lm_head.weight"), source.config.hidden_size)
     if "verifier_lm_head.weight" in source:  # speculators keeps the verifier's rows of the draft vocab too
         if verifier is None:
             raise RegraftError(cfg.drafter, "carries verifier_lm_head, which must be rebuilt for the new vocab",
                                "pass verifier=TARGET_DIR")
         every_row_from_verifier = RemapPlan(torch.full_like(plan.dest_ids, -1), plan.dest_ids)
+        dtype = source.dtype("verifier_lm_head.weight")
+        read = verifier_rows(verifier, dtype)
         tensors["verifier_lm_head.weight"] = remapped_rows_spec(
-            "verifier_lm_head.weight", every_row_from_verifier, verifier.lm_head_rows, verifier.lm_head_rows,
-            source.dtype("verifier_lm_head.weight"), source.shape("verifier_lm_head.weight")[1])
+            "verifier_lm_head.weight", every_row_from_verifier, read, read, dtype,
+            source.shape("verifier_lm_head.weight")[1])
     tensors["d2t"] = spec_of("d2t", dest.d2t)
     tensors["t2d"] = spec_of("t2d", dest.t2d)
     return tensors

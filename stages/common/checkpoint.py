@@ -20,7 +20,7 @@ import json
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 
@@ -36,7 +36,6 @@ CONVENTIONS = (OUTPUT_OF_LAYER, INPUT_OF_LAYER)
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3Speculator"
 LAYER_PREFIX = {"sglang": "midlayer.", "speculators": "layers.0."}
-ROWS_PER_CHUNK = 4096
 
 
 def default_aux_layer_ids(num_target_layers: int, convention: str) -> list[int]:
@@ -299,14 +298,16 @@ class DrafterCheckpoint:
     def dtype(self, name: str) -> torch.dtype:
         return self.files.dtype(self.stored_names[name])
 
-    def gather_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        return self.files.gather_rows(self.stored_names[name], rows)
+    def gather_rows(self, name: str, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.files.gather_rows(self.stored_names[name], rows, out)
+
+    def row_chunks(self, name: str) -> Iterator[torch.Tensor]:
+        return self.files.iter_row_chunks(self.stored_names[name])
 
     def spec(self, name: str) -> TensorSpec:
-        """A streaming copy of one stored tensor, for writing it elsewhere without loading it whole."""
+        """One stored tensor carried over unchanged: the writer copies its bytes file to file."""
         stored = self.stored_names[name]
-        return TensorSpec(name, self.dtype(name), self.shape(name),
-                          lambda: self.files.iter_row_chunks(stored, ROWS_PER_CHUNK))
+        return TensorSpec(name, self.dtype(name), self.shape(name), file_range=self.files.file_range(stored))
 
     def vocab_map(self) -> VocabMap:
         return VocabMap(self.tensor("d2t"), self.tensor("t2d"), source=str(self.path)).validate()

@@ -56,9 +56,9 @@ class Verifier:
                                "the config does not match the weights")
         return verifier
 
-    def lm_head_rows(self, target_ids: torch.Tensor) -> torch.Tensor:
+    def lm_head_rows(self, target_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of the output embedding for `target_ids` only; the rest of the matrix is never read."""
-        return self.files.gather_rows(self.lm_head_name, target_ids)
+        return self.files.gather_rows(self.lm_head_name, target_ids, out)
 
     @property
     def lm_head_dtype(self) -> torch.dtype:
