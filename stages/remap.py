@@ -81,17 +81,12 @@ class RemapPlan:
     def from_fallback(self) -> int:
         return self.source_rows.numel() - self.remapped
 
-    @property
-    def unmoved(self) -> int:
-        return int((self.source_rows == torch.arange(self.source_rows.numel())).sum())
-
 
 @dataclass(frozen=True)
 class RemapCounts:
     rows_remapped: int
     rows_from_fallback: int
     source_rows_dropped: int
-    rows_unmoved: int  # remapped rows that kept their position (the old map was right there)
 
 
 def mean_row_norm(chunks: Iterator[torch.Tensor]) -> float:
@@ -215,7 +210,7 @@ def run(cfg: DictConfig) -> StageResult:
     source_map = source.vocab_map()
     plan = RemapPlan.between(source_map, dest)
     counts = RemapCounts(rows_remapped=plan.remapped, rows_from_fallback=plan.from_fallback,
-                         source_rows_dropped=source_map.draft_vocab_size - plan.remapped, rows_unmoved=plan.unmoved)
+                         source_rows_dropped=source_map.draft_vocab_size - plan.remapped)
     comparison = compare_vocab_maps(source_map, dest)
     layout = source.layout if cfg.layout == OutputLayout.source else OutputLayout(cfg.layout).value
     layer = {**source.config.layer, "vocab_size": dest.vocab_size}

@@ -150,7 +150,7 @@ def test_speculators_source_to_sglang_rebuilds_verifier_lm_head(make_drafter, ma
 def test_remap_onto_its_own_map_changes_nothing(make_drafter, maps, target_dir, tmp_path):
     source = make_drafter(maps[0])
     result = run_remap(source, source, target_dir, tmp_path / "out")
-    assert result.metrics["rows_unmoved"] == 96 and result.metrics["rows_from_fallback"] == 0
+    assert result.metrics["positions_agree_before"] == 96 and result.metrics["rows_from_fallback"] == 0
     assert torch.equal(load_file(source / "model.safetensors")["lm_head.weight"],
                        load_file(tmp_path / "out" / "model.safetensors")["lm_head.weight"])
 
