@@ -249,6 +249,10 @@ class SafetensorsFiles:
 def _pread_into(path: Path, reads: list[tuple[int, memoryview]]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
+        if len(reads) > 1 and hasattr(os, "posix_fadvise"):
+            # Announce every range first so a cold disk serves scattered rows concurrently, not one seek at a time.
+            for offset, buffer in reads:
+                os.posix_fadvise(fd, offset, buffer.nbytes, os.POSIX_FADV_WILLNEED)
         for offset, buffer in reads:
             done = 0
             while done < buffer.nbytes:
