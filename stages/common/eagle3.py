@@ -7,7 +7,7 @@ Parameter names match the sglang layout, so `state_dict()` is a checkpoint.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,9 +45,18 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Ten
     return (x.float() * angles.cos() + rotate_half(x.float()) * angles.sin()).to(x.dtype)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of T new queries over `past` cached plus T new keys (grouped-query heads allowed)."""
+    T = q.shape[2]
+    if attention_mask is None:
+        attention_mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
 @dataclass
 class KVCache:
-    """Keys and values of earlier positions, [B, kv_heads, T, head_dim] each."""
+    """Keys and values of earlier positions, [B, heads, T, head_dim] each: decoding one position after another."""
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -56,14 +65,51 @@ class KVCache:
     def length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = keys if self.keys is None else torch.cat((self.keys, keys), dim=2)
-        self.values = values if self.values is None else torch.cat((self.values, values), dim=2)
-        return self.keys, self.values
-
     def truncate(self, length: int) -> None:
         if self.keys is not None:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        past = self.length
+        self.keys = k if self.keys is None else torch.cat((self.keys, k), dim=2)
+        self.values = v if self.values is None else torch.cat((self.values, v), dim=2)
+        return causal_attention(q, self.keys, self.values, past, attention_mask)
+
+
+@dataclass
+class TTTCache:
+    """Training-time test: the keys and values of every unrolled draft step over the same T positions.
+
+    Step 0 attends causally over the target-fed positions; at step k, position t also attends to its own keys of
+    steps 1..k (the "diagonal"), which is exactly what position t's k-th draft sees at inference: the prefix the
+    target verified plus its own earlier drafts.
+    """
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.keys)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        if len(self.keys) == 1:
+            return causal_attention(q, k, v, 0, attention_mask)
+        scale, T, groups = q.shape[-1] ** -0.5, q.shape[2], q.shape[1] // k.shape[1]
+        keys = [step_keys.repeat_interleave(groups, dim=1) for step_keys in self.keys]
+        values = [step_values.repeat_interleave(groups, dim=1) for step_values in self.values]
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        prefix = (q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
+        diagonal = torch.stack([(q * step_keys).sum(-1) * scale for step_keys in keys[1:]], dim=-1)  # [B, h, T, k]
+        weights = torch.softmax(torch.cat((prefix, diagonal), dim=-1).float(), dim=-1).to(q.dtype)
+        out = weights[..., :T] @ values[0]
+        for step, step_values in enumerate(values[1:]):
+            out = out + weights[..., T + step, None] * step_values
+        return out
 
 
 class Eagle3Attention(nn.Module):
@@ -77,21 +123,17 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None,
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | TTTCache | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rope(q, position_ids, self.rope_theta), rope(k, position_ids, self.rope_theta)
-        past = 0 if cache is None else cache.length
-        if cache is not None:
-            k, v = cache.append(k, v)
-        if attention_mask is None:  # causal over the cached prefix plus the new positions
-            attention_mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        if cache is None:
+            out = causal_attention(q, k, v, 0, attention_mask)
+        else:
+            out = cache.attend(q, k, v, attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -118,7 +160,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = Eagle3MLP(H, config.intermediate_size)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | TTTCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         normed_hidden = self.hidden_norm(hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
         x = torch.cat((self.input_layernorm(embeds), normed_hidden), dim=-1)
@@ -189,9 +231,9 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux_hidden)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None) -> DraftOutput:
+                cache: KVCache | TTTCache | None = None, attention_mask: torch.Tensor | None = None) -> DraftOutput:
         if position_ids is None:
-            start = 0 if cache is None else cache.length
+            start = cache.length if isinstance(cache, KVCache) else 0
             position_ids = torch.arange(start, start + embeds.shape[1], device=embeds.device)[None]
         out = self.midlayer(embeds, hidden, position_ids, cache, attention_mask)
         return DraftOutput(logits=self.lm_head(self.norm(out)), hidden=out)

@@ -1,0 +1,76 @@
+"""The target model as the drafter sees it: frozen token embeddings, aux hidden states and next-token logits.
+
+Aux hidden states are captured with forward hooks on the decoder layers (never all L hidden states at once), in
+either convention: "output of layer i" hooks layer i's output; "input of layer i" is layer i-1's output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from stages.common.checkpoint import OUTPUT_OF_LAYER, convert_aux_layer_ids
+from stages.common.errors import RegraftError
+
+
+@dataclass
+class TargetFeatures:
+    aux_hidden: torch.Tensor  # [B, T, 3 * H_target], the aux layers concatenated in id order
+    logits: torch.Tensor  # [B, T, V], the target's next-token logits at every position
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise RegraftError(None, f"cannot find the decoder layers of {type(model).__name__}",
+                           "regraft reads Llama-style models (model.model.layers)")
+    return layers
+
+
+class TargetModel:
+    """A frozen HF causal LM with hooks on the aux layers."""
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int], convention: str = OUTPUT_OF_LAYER):
+        self.model = model.eval().requires_grad_(False)
+        self.output_layer_ids = convert_aux_layer_ids(list(aux_layer_ids), convention, OUTPUT_OF_LAYER)
+        layers = decoder_layers(model)
+        if min(self.output_layer_ids) < 0 or max(self.output_layer_ids) >= len(layers):
+            raise RegraftError(None, f"aux layers {aux_layer_ids} ({convention}) are outside the target's "
+                               f"{len(layers)} layers", "check the drafter's eagle_aux_hidden_state_layer_ids")
+        self._captured: dict[int, torch.Tensor] = {}
+        for layer_id in set(self.output_layer_ids):
+            layers[layer_id].register_forward_hook(self._capture(layer_id))
+
+    @classmethod
+    def load(cls, path: str | Path, aux_layer_ids: list[int], convention: str = OUTPUT_OF_LAYER,
+             dtype: torch.dtype = torch.float32) -> "TargetModel":
+        from transformers import AutoModelForCausalLM
+
+        if not (Path(path) / "config.json").exists():
+            raise RegraftError(path, "no config.json: not a target model folder", "point at a save_pretrained folder")
+        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), aux_layer_ids, convention)
+
+    def _capture(self, layer_id: int):
+        def hook(module, inputs, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @property
+    def num_layers(self) -> int:
+        return len(decoder_layers(self.model))
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetFeatures:
+        self._captured.clear()
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        aux = torch.cat([self._captured[i] for i in self.output_layer_ids], dim=-1)
+        self._captured.clear()
+        return TargetFeatures(aux_hidden=aux, logits=logits)
