@@ -40,8 +40,8 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch  # noqa: E402
 
 from stages.common.toy import train_tokenizer  # noqa: E402
-from stages.vocab_map import (count_assistant_tokens, load_tokenizer, read_conversations,  # noqa: E402
-                              render_with_assistant_spans)
+from stages.common.chat import load_tokenizer, read_conversations, render_with_assistant_spans  # noqa: E402
+from stages.vocab_map import count_assistant_tokens  # noqa: E402
 
 MIN_DOCSTRING_CHARS = 40
 

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from stages.common.artifacts import staged_output
 from stages.common.cli import StageResult, register_schema, stage_main
+from stages.common.chat import batched, encode_chats, load_tokenizer, read_conversations
 from stages.common.errors import RegraftError
 from stages.common.tensor_io import spec_of, write_safetensors
 from stages.common.vocab import VOCAB_MAP_FILE, VocabMap
@@ -43,68 +44,6 @@ class VocabMapConfig:
 register_schema("vocab_map", VocabMapConfig)
 
 
-def read_conversations(path: Path) -> Iterator[list[dict]]:
-    """Yield the `messages` of each JSONL line; a bad line stops with its file and line number."""
-    if not path.exists():
-        raise RegraftError(path, "chat data not found", "give data= a JSONL file of {\"messages\": [...]} lines")
-    with path.open() as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                messages = json.loads(line)["messages"]
-                if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
-                    raise TypeError("role and content must be strings")
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise RegraftError(f"{path}:{number}", f"not a chat line ({exc.__class__.__name__}: {exc})",
-                                   'each line must be {"messages": [{"role": ..., "content": ...}, ...]}') from exc
-            yield messages
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not path.is_dir():
-        raise RegraftError(path, "tokenizer folder not found", "give tokenizer= a local HF tokenizer folder")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if not tokenizer.chat_template:
-        raise RegraftError(path, "tokenizer has no chat template", "add chat_template to tokenizer_config.json")
-    if not tokenizer.is_fast:
-        raise RegraftError(path, "needs a fast tokenizer (offsets mark the assistant tokens)",
-                           "save the tokenizer with tokenizer.json")
-    return tokenizer
-
-
-def render_with_assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation as the chat template renders it, and the character spans of its assistant turns.
-
-    A turn's span is what rendering it adds to the prefix before it (with the generation prompt), so the
-    assistant's end-of-turn marker counts and the header does not, whatever the template.
-    """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True) \
-            if index else ""
-        through = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
-        if not (text.startswith(through) and through.startswith(before)):
-            raise RegraftError(tokenizer.name_or_path, "chat template is not prefix-stable, so assistant "
-                               "turns cannot be located", "use a template that renders earlier turns unchanged")
-        spans.append((len(before), len(through)))
-    return text, spans
-
-
-def assistant_token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    starts = offsets[:, 0] if len(offsets) else np.zeros(0, dtype=np.int64)
-    mask = np.zeros(len(starts), dtype=bool)
-    for begin, end in spans:
-        mask |= (starts >= begin) & (starts < end)
-    return mask
-
-
 @dataclass
 class TokenCounts:
     counts: torch.Tensor  # int64 [V], assistant tokens only
@@ -115,36 +54,20 @@ class TokenCounts:
 def count_assistant_tokens(tokenizer, conversations: Iterator[list[dict]], vocab_size: int, batch_size: int,
                            max_length: int | None = None) -> TokenCounts:
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    conversations_seen = tokens_total = 0
+    seen = tokens_total = 0
     progress = tqdm(desc="vocab_map: counting", unit=" conv", mininterval=1.0)
-
-    def flush(batch: list[tuple[str, list[tuple[int, int]]]]) -> None:
-        nonlocal tokens_total
-        encoded = tokenizer([text for text, _ in batch], add_special_tokens=False, return_offsets_mapping=True,
-                            truncation=max_length is not None, max_length=max_length)
-        kept = []
-        for ids, offsets, (_, spans) in zip(encoded["input_ids"], encoded["offset_mapping"], batch):
-            ids = np.asarray(ids, dtype=np.int64)
-            kept.append(ids[assistant_token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)])
-            tokens_total += len(ids)
-        masked = torch.from_numpy(np.concatenate(kept))
+    for batch in batched(conversations, batch_size):
+        encoded = encode_chats(tokenizer, batch, max_length)
+        masked = torch.from_numpy(np.concatenate([ids[mask] for ids, mask in encoded]))
         if masked.numel() and int(masked.max()) >= vocab_size:
             raise RegraftError(tokenizer.name_or_path, f"token id {int(masked.max())} >= vocab_size {vocab_size}",
                                "set vocab_size= to the target model's vocab size")
         counts.add_(torch.bincount(masked, minlength=vocab_size))
+        seen += len(batch)
+        tokens_total += sum(len(ids) for ids, _ in encoded)
         progress.update(len(batch))
-
-    batch: list[tuple[str, list[tuple[int, int]]]] = []
-    for messages in conversations:
-        batch.append(render_with_assistant_spans(tokenizer, messages))
-        conversations_seen += 1
-        if len(batch) == batch_size:
-            flush(batch)
-            batch = []
-    if batch:
-        flush(batch)
     progress.close()
-    return TokenCounts(counts, conversations_seen, tokens_total)
+    return TokenCounts(counts, seen, tokens_total)
 
 
 def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int, source: str = "<counts>") -> VocabMap:

@@ -21,7 +21,8 @@ from stages.common.cli import StageResult, register_schema, stage_main
 from stages.common.corpus import as_conversation, stdlib_docstrings, write_jsonl
 from stages.common.errors import RegraftError
 from stages.common.toy import fresh_drafter, tiny_llama, train_tokenizer
-from stages.vocab_map import build_vocab_map, count_assistant_tokens, load_tokenizer, read_conversations
+from stages.common.chat import load_tokenizer, read_conversations
+from stages.vocab_map import build_vocab_map, count_assistant_tokens
 
 
 @dataclass

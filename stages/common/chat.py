@@ -1,0 +1,98 @@
+"""Chat data as the target sees it: JSONL conversations rendered by the chat template, tokenized, and the
+assistant tokens (the ones a drafter learns to predict) marked in a loss mask.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from stages.common.errors import RegraftError
+
+
+def read_conversations(path: Path) -> Iterator[list[dict]]:
+    """Yield the `messages` of each JSONL line; a bad line stops with its file and line number."""
+    if not path.exists():
+        raise RegraftError(path, "chat data not found", "give data= a JSONL file of {\"messages\": [...]} lines")
+    with path.open() as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                messages = json.loads(line)["messages"]
+                if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
+                    raise TypeError("role and content must be strings")
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise RegraftError(f"{path}:{number}", f"not a chat line ({exc.__class__.__name__}: {exc})",
+                                   'each line must be {"messages": [{"role": ..., "content": ...}, ...]}') from exc
+            yield messages
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise RegraftError(path, "tokenizer folder not found", "give tokenizer= a local HF tokenizer folder")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not tokenizer.chat_template:
+        raise RegraftError(path, "tokenizer has no chat template", "add chat_template to tokenizer_config.json")
+    if not tokenizer.is_fast:
+        raise RegraftError(path, "needs a fast tokenizer (offsets mark the assistant tokens)",
+                           "save the tokenizer with tokenizer.json")
+    return tokenizer
+
+
+def render_with_assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as the chat template renders it, and the character spans of its assistant turns.
+
+    A turn's span is what rendering it adds to the prefix before it (with the generation prompt), so the
+    assistant's end-of-turn marker counts and the header does not, whatever the template.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True) \
+            if index else ""
+        through = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise RegraftError(tokenizer.name_or_path, "chat template is not prefix-stable, so assistant "
+                               "turns cannot be located", "use a template that renders earlier turns unchanged")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def assistant_token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    starts = offsets[:, 0] if len(offsets) else np.zeros(0, dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=bool)
+    for begin, end in spans:
+        mask |= (starts >= begin) & (starts < end)
+    return mask
+
+
+def batched(items: Iterator, size: int) -> Iterator[list]:
+    batch: list = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def encode_chats(tokenizer, batch: list[list[dict]], max_length: int | None = None
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids, assistant mask) per conversation, tokenized together with offsets."""
+    rendered = [render_with_assistant_spans(tokenizer, messages) for messages in batch]
+    encoded = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True,
+                        truncation=max_length is not None, max_length=max_length)
+    out = []
+    for ids, offsets, (_, spans) in zip(encoded["input_ids"], encoded["offset_mapping"], rendered):
+        mask = assistant_token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
+        out.append((np.asarray(ids, dtype=np.int64), mask))
+    return out
