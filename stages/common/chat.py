@@ -96,3 +96,26 @@ def encode_chats(tokenizer, batch: list[list[dict]], max_length: int | None = No
         mask = assistant_token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
         out.append((np.asarray(ids, dtype=np.int64), mask))
     return out
+
+
+def tokenized_chats(tokenizer, path: Path, max_length: int, batch_size: int = 256) -> dict[str, "torch.Tensor"]:
+    """Every conversation of a JSONL file as fixed-length rows: input_ids, attention_mask and loss_mask [N, L].
+
+    Rows are right-padded to `max_length` so every micro-batch has the same shape, which makes per-position means
+    add up exactly across ranks and accumulation steps.
+    """
+    import torch
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rows = [row for batch in batched(read_conversations(path), batch_size)
+            for row in encode_chats(tokenizer, batch, max_length)]
+    if not rows:
+        raise RegraftError(path, "holds no conversations", "give data= a JSONL file of chats")
+    input_ids = torch.full((len(rows), max_length), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(rows), max_length), dtype=torch.bool)
+    loss_mask = torch.zeros((len(rows), max_length), dtype=torch.bool)
+    for index, (ids, mask) in enumerate(rows):
+        input_ids[index, : len(ids)] = torch.from_numpy(ids)
+        attention_mask[index, : len(ids)] = True
+        loss_mask[index, : len(ids)] = torch.from_numpy(mask)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}

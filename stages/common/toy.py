@@ -91,3 +91,29 @@ def fresh_drafter(target_dir: str | Path, vocab_map: VocabMap, out_dir: str | Pa
 
     config = drafter_config_for(target_dir, vocab_map.draft_vocab_size)
     return Eagle3Drafter.initialised(config, vocab_map, seed).save(out_dir, layout)
+
+
+def train_causal_lm(model_dir: str | Path, data: str | Path, out_dir: str | Path, steps: int, lr: float = 3e-3,
+                    batch_size: int = 16, max_length: int = 128, seed: int = 0) -> Path:
+    """Train a (tiny) causal LM on a chat JSONL with plain next-token loss and save it with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.common.chat import tokenized_chats
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).train()
+    rows = tokenized_chats(tokenizer, Path(data), max_length)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        pick = torch.randint(0, rows["input_ids"].shape[0], (batch_size,), generator=generator)
+        input_ids, attention = rows["input_ids"][pick], rows["attention_mask"][pick]
+        labels = input_ids.masked_fill(~attention, -100)
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    out = Path(out_dir)
+    model.eval().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

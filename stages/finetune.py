@@ -1,0 +1,359 @@
+"""finetune stage: EAGLE-3 training-time-test training of a drafter on a new target, on DeepSpeed.
+
+In: the target model folder, chat JSONL, the training vocab map, and the drafter to start from (`init`):
+`remap` (the remap stage's output), `scratch` (a fresh layer; lm_head rows from the verifier) or `as_is` (a drafter
+trained on another map, used unchanged: the known way to waste a fine-tune, refused by the guard unless consented).
+Out: `drafter/` (the best drafter by validation loss, sglang layout, the training map's d2t/t2d), `metrics.jsonl`
+(train metrics every `log_every` steps, validation every epoch, preflight), `manifest.json`.
+DeepSpeed checkpoints go to `checkpoint_dir` (default `<out>.checkpoints`), so a stopped run resumes from them.
+
+    python -m stages.finetune target=DIR data=FILE vocab_map=MAP drafter=REMAPPED out=DIR ttt_steps=5 lr=1e-4
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from omegaconf import MISSING, DictConfig
+from tqdm import tqdm
+
+from stages.common import guard
+from stages.common.artifacts import staged_output
+from stages.common.chat import load_tokenizer, tokenized_chats
+from stages.common.checkpoint import DrafterCheckpoint
+from stages.common.cli import StageResult, register_schema, stage_main
+from stages.common.eagle3 import Eagle3Drafter
+from stages.common.errors import RegraftError
+from stages.common.target import TargetModel
+from stages.common.toy import drafter_config_for
+from stages.common.ttt import TTTStats, ttt_forward, ttt_metrics
+from stages.common.verifier import Verifier
+from stages.common.vocab import VocabMap, load_vocab_map
+
+
+class Init(str, Enum):
+    remap = "remap"
+    scratch = "scratch"
+    as_is = "as_is"
+
+
+class Spawn(str, Enum):
+    inprocess = "inprocess"
+    torchrun = "torchrun"
+    deepspeed = "deepspeed"
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 0
+    bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.5
+    warmup_ratio: float = 0.015
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+
+
+@dataclass
+class GuardConfig:
+    enabled: bool = True
+    max_misaligned: float = 0.01  # share of draft positions allowed to point at another token than the map says
+    consent: bool = False  # train a misaligned init anyway (to reproduce the failure on purpose)
+
+
+@dataclass
+class FinetuneConfig:
+    target: str = MISSING  # target model folder (the verifier)
+    data: str = MISSING  # chat JSONL for the target
+    vocab_map: str = MISSING  # the training draft vocab
+    out: str = MISSING
+    drafter: Optional[str] = None  # the init's drafter (remap output / source drafter); scratch may omit it
+    init: Init = Init.remap
+    ttt_steps: int = 7
+    lr: float = 1e-4
+    epochs: int = 1
+    max_steps: Optional[int] = None  # stop after this many optimizer steps
+    micro_batch_size: int = 4
+    max_length: int = 256
+    val_fraction: float = 0.05
+    log_every: int = 10
+    checkpoint_every: int = 100
+    checkpoint_dir: Optional[str] = None  # default: <out>.checkpoints
+    resume: bool = True  # continue from the latest checkpoint in checkpoint_dir
+    seed: int = 0
+    spawn: Spawn = Spawn.inprocess
+    nproc: int = 1
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+
+register_schema("finetune", FinetuneConfig)
+
+
+# ---------------------------------------------------------------- the drafter to start from
+
+
+def initial_drafter(cfg: DictConfig, training_map: VocabMap) -> tuple[Eagle3Drafter, VocabMap | None]:
+    """The init's drafter and the map its lm_head was trained on (None for scratch, which has no past)."""
+    init = Init(cfg.init)
+    if init is Init.scratch:
+        config = DrafterCheckpoint.open(cfg.drafter).config if cfg.drafter else \
+            drafter_config_for(cfg.target, training_map.draft_vocab_size)
+        config.draft_vocab_size = training_map.draft_vocab_size
+        drafter = Eagle3Drafter.initialised(config, training_map, seed=cfg.seed)
+        verifier = Verifier.open(cfg.target)
+        if verifier.hidden_size == config.hidden_size:
+            with torch.no_grad():
+                drafter.lm_head.weight.copy_(verifier.lm_head_rows(training_map.target_ids).float())
+        return drafter, None
+    if not cfg.drafter:
+        raise RegraftError(None, f"init={init.value} needs a drafter", "pass drafter=DIR")
+    drafter = Eagle3Drafter.from_checkpoint(cfg.drafter, dtype=torch.float32)
+    own_map = drafter.vocab_map()
+    if own_map.draft_vocab_size != training_map.draft_vocab_size:
+        raise RegraftError(cfg.drafter, f"draft vocab of {own_map.draft_vocab_size} ids, the training map has "
+                           f"{training_map.draft_vocab_size}", "remap the drafter onto the training map")
+    return drafter, own_map
+
+
+def preflight(cfg: DictConfig, drafter: Eagle3Drafter, own_map: VocabMap | None, training_map: VocabMap,
+              target: TargetModel, batch: dict[str, torch.Tensor]) -> guard.Preflight:
+    """Step-0 numbers of the init on one batch, beside the same drafter remapped; the guard then decides."""
+    if own_map is None:
+        return guard.Preflight(training_map.draft_vocab_size, training_map.draft_vocab_size,
+                               training_map.draft_vocab_size)
+    checked = guard.compare_with_training_map(own_map, training_map)
+    trained_on_new_map = guard.remapped_in_memory(drafter, own_map, training_map)
+    drafter.set_vocab_map(training_map)  # what training would do with this init: read it with the new map
+    trained_on_new_map.set_vocab_map(training_map)
+    with torch.no_grad():
+        as_given = evaluate_batch(drafter, target, batch, cfg.ttt_steps)
+        remapped = evaluate_batch(trained_on_new_map, target, batch, cfg.ttt_steps)
+    result = guard.Preflight(checked.positions_agree, checked.draft_vocab_size, checked.shared_ids,
+                             step0_acc=as_given["full_acc_0"], step0_loss=as_given["loss_0"],
+                             remapped_step0_acc=remapped["full_acc_0"])
+    if cfg.guard.enabled:
+        guard.check(result, Init(cfg.init).value, cfg.guard.max_misaligned, cfg.guard.consent, cfg.drafter)
+    return result
+
+
+def evaluate_batch(drafter: Eagle3Drafter, target: TargetModel, batch: dict[str, torch.Tensor],
+                   ttt_steps: int) -> dict[str, float]:
+    return run_ttt(drafter, target, batch, ttt_steps).metrics()
+
+
+def run_ttt(drafter: Eagle3Drafter, target: TargetModel, batch: dict[str, torch.Tensor], ttt_steps: int) -> TTTStats:
+    features = target.features(batch["input_ids"], batch["attention_mask"])
+    return ttt_forward(drafter, target.embed, batch["input_ids"], batch["loss_mask"], features.aux_hidden,
+                       features.logits, ttt_steps)
+
+
+# ---------------------------------------------------------------- DeepSpeed
+
+
+def init_distributed(seed: int) -> None:
+    """One process per rank; a lone in-process rank gets the env a launcher would have set (gloo on CPU)."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    torch.manual_seed(seed)
+
+
+def deepspeed_config(cfg: DictConfig, total_steps: int) -> dict:
+    ds = cfg.deepspeed
+    bf16 = torch.cuda.is_available() if ds.bf16 is None else bool(ds.bf16)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": ds.gradient_accumulation_steps,
+        "train_batch_size": cfg.micro_batch_size * ds.gradient_accumulation_steps * world,
+        "gradient_clipping": ds.gradient_clipping,
+        "zero_optimization": {"stage": ds.zero_stage},
+        "bf16": {"enabled": bf16},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(total_steps, 1), "warmup_num_steps": max(1, int(ds.warmup_ratio * total_steps))}},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+# ---------------------------------------------------------------- data
+
+
+def split(data: dict[str, torch.Tensor], val_fraction: float, seed: int) -> tuple[dict, dict]:
+    count = data["input_ids"].shape[0]
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    val_count = max(1, int(round(val_fraction * count))) if val_fraction > 0 else 0
+    pick = lambda rows: {name: tensor[rows] for name, tensor in data.items()}
+    return pick(order[val_count:]), pick(order[:val_count])
+
+
+def micro_batches(data: dict[str, torch.Tensor], size: int, epoch: int, seed: int, rank: int, world: int,
+                  skip: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of one epoch: a seeded shuffle, strided over ranks, whole batches only."""
+    count = data["input_ids"].shape[0]
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+    per_step = size * world
+    for index in range(skip, count // per_step):
+        rows = order[index * per_step + rank * size: index * per_step + (rank + 1) * size]
+        yield {name: tensor[rows] for name, tensor in data.items()}
+
+
+# ---------------------------------------------------------------- the loop
+
+
+class MetricsLog:
+    """metrics.jsonl in the work folder: one line per logged step; a resumed run drops lines past its step."""
+
+    def __init__(self, path: Path, resume_step: int, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if enabled and path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        elif enabled and resume_step == 0:
+            path.write_text("")
+
+    def write(self, step: int, split_name: str, metrics: dict[str, float]) -> None:
+        if self.enabled:
+            with self.path.open("a") as lines:
+                lines.write(json.dumps({"step": step, "split": split_name, **metrics}) + "\n")
+
+
+def validate(drafter: Eagle3Drafter, target: TargetModel, val: dict[str, torch.Tensor], cfg: DictConfig) -> dict:
+    """TTT metrics over the whole validation split, from summed counts; `loss` is the decay-weighted total."""
+    size = min(cfg.micro_batch_size, val["input_ids"].shape[0])
+    sums, batches = None, 0
+    with torch.no_grad():
+        for batch in micro_batches(val, size, 0, cfg.seed, 0, 1):
+            stats = run_ttt(drafter, target, batch, cfg.ttt_steps)
+            counts = [stats.step_losses, stats.correct, stats.valid, stats.cond_correct, stats.cond_valid]
+            sums = counts if sums is None else [a + b for a, b in zip(sums, counts)]
+            batches += 1
+    step_losses, *counts = sums
+    metrics = ttt_metrics(step_losses / batches, *counts)
+    metrics["loss"] = float(sum(0.8 ** k * metrics[f"loss_{k}"] for k in range(cfg.ttt_steps)))
+    return metrics
+
+
+@dataclass
+class Progress:
+    """What a checkpoint must carry besides weights and optimizer so a resumed run continues exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0  # micro-batches of this epoch already consumed
+    best_val_loss: float = float("inf")
+
+
+def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_data: dict, val_data: dict,
+          work: Path, log: MetricsLog, progress: Progress) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    import deepspeed
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    accumulation = cfg.deepspeed.gradient_accumulation_steps
+    per_epoch = train_data["input_ids"].shape[0] // (cfg.micro_batch_size * world) // accumulation
+    if per_epoch == 0:
+        raise RegraftError(cfg.data, "fewer conversations than one global batch", "lower micro_batch_size or add data")
+    total_steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.deepspeed.betas),
+                                  weight_decay=cfg.deepspeed.weight_decay)
+    engine, _, _, scheduler = deepspeed.initialize(model=drafter, optimizer=optimizer,
+                                                   config=deepspeed_config(cfg, total_steps))
+    checkpoints = work / "deepspeed"
+    if cfg.resume and (checkpoints / "latest").exists():
+        _, client_state = engine.load_checkpoint(str(checkpoints))
+        progress = Progress(**client_state["progress"])
+    best_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    best_val: dict[str, float] = {}
+    bar = tqdm(total=total_steps, initial=progress.step, desc="finetune", disable=rank != 0, mininterval=1.0)
+    started, tokens = time.perf_counter(), 0
+    while progress.step < total_steps and progress.epoch < cfg.epochs:
+        for batch in micro_batches(train_data, cfg.micro_batch_size, progress.epoch, cfg.seed, rank, world,
+                                   skip=progress.batch):
+            stats = run_ttt(engine.module, target, batch, cfg.ttt_steps)
+            engine.backward(stats.loss)
+            engine.step()
+            progress.batch += 1
+            tokens += int(batch["attention_mask"].sum())
+            if progress.batch % accumulation:
+                continue
+            progress.step += 1
+            bar.update(1)
+            if progress.step % cfg.log_every == 0 or progress.step == total_steps:
+                elapsed = time.perf_counter() - started
+                log.write(progress.step, "train", {**stats.metrics(), "loss": float(stats.loss.detach()),
+                                                   "lr": scheduler.get_last_lr()[0],
+                                                   "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                                                   "tokens_per_s": tokens * world / max(elapsed, 1e-9)})
+            if progress.step % cfg.checkpoint_every == 0:
+                engine.save_checkpoint(str(checkpoints), tag=f"step{progress.step}",
+                                       client_state={"progress": vars(progress)})
+            if progress.step >= total_steps:
+                break
+        else:
+            progress.epoch, progress.batch = progress.epoch + 1, 0
+        val = validate(engine.module, target, val_data, cfg) if val_data["input_ids"].numel() else {}
+        if val:
+            log.write(progress.step, "val", val)
+        if not val or val["loss"] < progress.best_val_loss:
+            progress.best_val_loss = val.get("loss", progress.best_val_loss)
+            best_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+            best_val = val
+        if progress.step >= total_steps:
+            break
+    bar.close()
+    return best_state, best_val
+
+
+def run(cfg: DictConfig) -> StageResult:
+    if Spawn(cfg.spawn) is not Spawn.inprocess or cfg.nproc != 1:
+        raise RegraftError(None, f"spawn={Spawn(cfg.spawn).value} nproc={cfg.nproc} is not available yet",
+                           "use finetune.spawn=inprocess finetune.nproc=1")
+    init_distributed(cfg.seed)
+    rank = int(os.environ["RANK"])
+    training_map = load_vocab_map(cfg.vocab_map)
+    tokenizer = load_tokenizer(cfg.target)
+    train_data, val_data = split(tokenized_chats(tokenizer, Path(cfg.data), cfg.max_length), cfg.val_fraction,
+                                 cfg.seed)
+    drafter, own_map = initial_drafter(cfg, training_map)
+    target = TargetModel.load(cfg.target, drafter.config.aux_layer_ids, drafter.config.aux_convention)
+    first = next(micro_batches(train_data, cfg.micro_batch_size, 0, cfg.seed, 0, 1))
+    checked = preflight(cfg, drafter, own_map, training_map, target, first)
+    work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints")
+    work.mkdir(parents=True, exist_ok=True)
+    resumed = cfg.resume and (work / "deepspeed" / "latest").exists()
+    log = MetricsLog(work / "metrics.jsonl", resume_step=resumed_step(work) if resumed else 0, enabled=rank == 0)
+    if not resumed:
+        log.write(0, "preflight", checked.metrics())
+    best_state, best_val = train(cfg, drafter, target, train_data, val_data, work, log, Progress())
+    metrics = {**checked.metrics(), **{f"val_{k}": v for k, v in best_val.items()}}
+    if rank == 0:
+        drafter.load_state_dict(best_state)
+        with staged_output(cfg.out, "finetune", cfg) as staged:
+            drafter.save(staged.path / "drafter", layout="sglang")
+            (staged.path / "metrics.jsonl").write_text((work / "metrics.jsonl").read_text())
+            staged.update(metrics=metrics, checkpoint_dir=str(work.absolute()))
+    headline = (f"init={Init(cfg.init).value}: step-0 acc {checked.step0_acc if checked.step0_acc is not None else 'n/a'}"
+                f", val loss {best_val.get('loss', float('nan')):.3f}, sim accept {best_val.get('sim_accept_len', 0):.2f}")
+    return StageResult(Path(cfg.out), metrics, headline)
+
+
+def resumed_step(work: Path) -> int:
+    tag = (work / "deepspeed" / "latest").read_text().strip()
+    return int(tag.removeprefix("step"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(stage_main("finetune", run))

@@ -1,0 +1,108 @@
+"""finetune on the real DeepSpeed engine (CPU, gloo, in process): learning, the guard, export."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages import finetune, remap, vocab_map
+from stages.common import toy
+from stages.common.cli import compose_stage
+from stages.common.eagle3 import Eagle3Drafter
+from stages.common.errors import RegraftError
+from stages.common.vocab import VocabMap, load_vocab_map
+from tests.conftest import ASSISTANT_WORDS, USER_WORDS, random_map, write_chats
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    rng = random.Random(0)
+    words = ASSISTANT_WORDS.split()
+    conversations = []
+    for _ in range(48):
+        start = rng.randrange(6)
+        answer = " ".join(words[(start + i) % 6] for i in range(12))  # a cycle the drafter can learn
+        conversations.append([("user", rng.choice(USER_WORDS.split())), ("assistant", answer)])
+    return write_chats(tmp_path_factory.mktemp("ft") / "chats.jsonl", conversations)
+
+
+@pytest.fixture(scope="module")
+def trained_target(target_dir, chats, tmp_path_factory) -> Path:
+    """The tiny target trained on the chats, so its next-token predictions are confident, as real targets are."""
+    return toy.train_causal_lm(target_dir, chats, tmp_path_factory.mktemp("ft") / "target", steps=60, max_length=48)
+
+
+@pytest.fixture(scope="module")
+def training_map(target_dir, chats, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ft") / "map"
+    vocab_map.run(compose_stage("vocab_map", [f"tokenizer={target_dir}", f"data={chats}", f"out={out}",
+                                              "draft_vocab_size=64"]))
+    return out
+
+
+def finetune_cfg(target_dir, chats, training_map, out: Path, *extra: str):
+    return compose_stage("finetune", [f"target={target_dir}", f"data={chats}", f"vocab_map={training_map}",
+                                      f"out={out}", "ttt_steps=3", "micro_batch_size=4", "max_length=48",
+                                      "lr=3e-3", "log_every=2", "val_fraction=0.2", "epochs=3",
+                                      "deepspeed.warmup_ratio=0.0", *extra])
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def scratch_run(trained_target, chats, training_map, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ft") / "scratch"
+    return out, finetune.run(finetune_cfg(trained_target, chats, training_map, out, "init=scratch"))
+
+
+def test_scratch_finetune_learns_and_exports(scratch_run, training_map):
+    out, result = scratch_run
+    metrics = read_metrics(out)
+    train = [m for m in metrics if m["split"] == "train"]
+    val = [m for m in metrics if m["split"] == "val"]
+    assert len(val) == 3 and train[0]["step"] == 2 and train[-1]["step"] == 27  # 38 train chats / 4 = 9 per epoch
+    assert train[-1]["loss"] < 0.6 * train[0]["loss"]
+    assert val[0]["full_acc_0"] < val[-1]["full_acc_0"] and val[-1]["full_acc_0"] > 0.5
+    assert val[-1]["sim_accept_len"] > 1.5
+    assert {"lr", "grad_norm", "tokens_per_s", "cond_acc_2", "sim_accept_len"} <= set(train[-1])
+    exported = Eagle3Drafter.from_checkpoint(out / "drafter")
+    assert torch.equal(exported.d2t, load_vocab_map(training_map).d2t)
+    assert result.metrics["val_loss"] == min(m["loss"] for m in val)
+
+
+def shifted_map(vocab_map_dir: Path, tmp_path: Path) -> Path:
+    """The same tokens and three others: every later draft position now names a different token."""
+    old = load_vocab_map(vocab_map_dir)
+    unused = [i for i in range(old.vocab_size) if not old.t2d[i]][-3:]
+    moved = VocabMap.from_target_ids(torch.tensor(sorted(old.target_ids[3:].tolist() + unused)), old.vocab_size)
+    torch.save({"d2t": moved.d2t, "t2d": moved.t2d}, tmp_path / "moved.pt")
+    return tmp_path / "moved.pt"
+
+
+def test_guard_stops_as_is_and_remap_fixes_it(scratch_run, trained_target, chats, training_map, tmp_path):
+    """The cautionary tale: a trained drafter read through another map's ordering starts near chance."""
+    trained_drafter = scratch_run[0] / "drafter"
+    new_map = shifted_map(training_map, tmp_path)
+    with pytest.raises(RegraftError, match=r"only \d+ of 64 draft positions map to the same target token") as error:
+        finetune.run(finetune_cfg(trained_target, chats, new_map, tmp_path / "as_is", "init=as_is",
+                                  f"drafter={trained_drafter}"))
+    assert "run remap" in str(error.value) and not (tmp_path / "as_is").exists()
+
+    consented = finetune.run(finetune_cfg(trained_target, chats, new_map, tmp_path / "as_is", "init=as_is",
+                                          f"drafter={trained_drafter}", "guard.consent=true", "max_steps=1"))
+    assert consented.metrics["preflight_misaligned"] > 0.5
+    assert consented.metrics["preflight_step0_acc"] < 0.1 < 0.4 < consented.metrics["preflight_remapped_step0_acc"]
+
+    remapped = tmp_path / "remapped"
+    remap.run(compose_stage("remap", [f"drafter={trained_drafter}", f"vocab_map={new_map}",
+                                      f"verifier={trained_target}", f"out={remapped}"]))
+    fixed = finetune.run(finetune_cfg(trained_target, chats, new_map, tmp_path / "remap", "init=remap",
+                                      f"drafter={remapped}", "max_steps=1"))
+    assert fixed.metrics["preflight_misaligned"] == 0.0
+    assert fixed.metrics["preflight_step0_loss"] < 0.5 * consented.metrics["preflight_step0_loss"]
+    assert fixed.metrics["preflight_step0_acc"] > 0.4
