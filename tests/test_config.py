@@ -7,7 +7,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 import pipelines.schema  # noqa: F401
-from stages import compare, remap, vocab_map, world  # noqa: F401  (register their schemas)
+from stages import compare, finetune, remap, vocab_map, world  # noqa: F401  (register their schemas)
 from stages.common.cli import CONF_DIR, compose_stage
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
@@ -21,7 +21,8 @@ def compose_root(overrides: list[str]):
 @pytest.mark.parametrize("group, option", [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))])
 def test_every_group_option_composes(group, option):
     cfg = compose_root([f"{group}={option}"])
-    assert group in cfg
+    package = {"deepspeed": "finetune.deepspeed"}.get(group, group)  # presets that fill a stage's node
+    assert OmegaConf.select(cfg, package) is not None
 
 
 def test_defaults_wire_the_toy_world():
@@ -29,6 +30,13 @@ def test_defaults_wire_the_toy_world():
     assert cfg.target.builtin and cfg.source.builtin and cfg.data.builtin
     assert cfg.target.path == f"{cfg.paths.world}/target"
     assert cfg.vocab_map.draft_vocab_size == 1024 and cfg.remap.fallback.value == "verifier"
+
+
+def test_deepspeed_presets_set_the_finetune_engine():
+    assert compose_root(["deepspeed=zero3"]).finetune.deepspeed.zero_stage == 3
+    assert compose_root([]).finetune.deepspeed.zero_stage == 0
+    with pytest.raises(ConfigCompositionException):
+        compose_root(["finetune.deepspeed.zero_stag=2"])
 
 
 def test_overrides_and_typos():
@@ -42,6 +50,7 @@ def test_overrides_and_typos():
 
 
 @pytest.mark.parametrize("stage, inputs", [("vocab_map", {"tokenizer", "data", "out"}), ("compare", {"a", "b"}),
-                                           ("remap", {"drafter", "vocab_map", "out"}), ("world", {"out"})])
+                                           ("remap", {"drafter", "vocab_map", "out"}), ("world", {"out"}),
+                                           ("finetune", {"target", "data", "vocab_map", "out"})])
 def test_each_stage_composes_alone_and_asks_for_its_inputs(stage, inputs):
     assert OmegaConf.missing_keys(compose_stage(stage, [])) == inputs
