@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -157,11 +160,18 @@ def run_ttt(drafter: Eagle3Drafter, target: TargetModel, batch: dict[str, torch.
 # ---------------------------------------------------------------- DeepSpeed
 
 
-def init_distributed(seed: int) -> None:
-    """One process per rank; a lone in-process rank gets the env a launcher would have set (gloo on CPU)."""
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def init_distributed(spawn: Spawn, seed: int) -> None:
+    """Join the process group: ranks started by a launcher read its env; a lone in-process rank sets its own
+    (gloo on CPU) on a free port, whatever a parent process left in the environment."""
+    if spawn is Spawn.inprocess and not torch.distributed.is_initialized():
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -247,6 +257,24 @@ def validate(drafter: Eagle3Drafter, target: TargetModel, val: dict[str, torch.T
     return metrics
 
 
+class StopSignal:
+    """SIGTERM / SIGUSR1 (a scheduler's warning before preemption or the time limit) ask for a clean stop:
+    the loop checkpoints at the next optimizer step and ends; rerunning the same command resumes there."""
+
+    def __init__(self):
+        self.requested = False
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._request)
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+
+
+class Preempted(RegraftError):
+    pass
+
+
 @dataclass
 class Progress:
     """What a checkpoint must carry besides weights and optimizer so a resumed run continues exactly."""
@@ -271,12 +299,17 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                                   weight_decay=cfg.deepspeed.weight_decay)
     engine, _, _, scheduler = deepspeed.initialize(model=drafter, optimizer=optimizer,
                                                    config=deepspeed_config(cfg, total_steps))
-    checkpoints = work / "deepspeed"
+    checkpoints, best_file = work / "deepspeed", work / "best.pt"
     if cfg.resume and (checkpoints / "latest").exists():
         _, client_state = engine.load_checkpoint(str(checkpoints))
         progress = Progress(**client_state["progress"])
-    best_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    best_val: dict[str, float] = {}
+    best = torch.load(best_file, weights_only=True) if cfg.resume and best_file.exists() else \
+        {"state": snapshot(engine.module), "val": {}}
+    stop = StopSignal()
+
+    def save_checkpoint() -> None:
+        engine.save_checkpoint(str(checkpoints), tag=f"step{progress.step}", client_state={"progress": vars(progress)})
+
     bar = tqdm(total=total_steps, initial=progress.step, desc="finetune", disable=rank != 0, mininterval=1.0)
     started, tokens = time.perf_counter(), 0
     while progress.step < total_steps and progress.epoch < cfg.epochs:
@@ -297,9 +330,11 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                                                    "lr": scheduler.get_last_lr()[0],
                                                    "grad_norm": float(engine.get_global_grad_norm() or 0.0),
                                                    "tokens_per_s": tokens * world / max(elapsed, 1e-9)})
-            if progress.step % cfg.checkpoint_every == 0:
-                engine.save_checkpoint(str(checkpoints), tag=f"step{progress.step}",
-                                       client_state={"progress": vars(progress)})
+            if progress.step % cfg.checkpoint_every == 0 or stop.requested:
+                save_checkpoint()
+            if stop.requested:
+                raise Preempted(checkpoints, f"stopped by a signal at step {progress.step} of {total_steps}; "
+                                "checkpoint saved", "rerun the same command to resume (resume=true)")
             if progress.step >= total_steps:
                 break
         else:
@@ -309,19 +344,24 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             log.write(progress.step, "val", val)
         if not val or val["loss"] < progress.best_val_loss:
             progress.best_val_loss = val.get("loss", progress.best_val_loss)
-            best_state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-            best_val = val
+            best = {"state": snapshot(engine.module), "val": val}
+            if rank == 0:
+                torch.save(best, best_file)
         if progress.step >= total_steps:
             break
     bar.close()
-    return best_state, best_val
+    return best["state"], best["val"]
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
 
 
 def run(cfg: DictConfig) -> StageResult:
     if Spawn(cfg.spawn) is not Spawn.inprocess or cfg.nproc != 1:
         raise RegraftError(None, f"spawn={Spawn(cfg.spawn).value} nproc={cfg.nproc} is not available yet",
                            "use finetune.spawn=inprocess finetune.nproc=1")
-    init_distributed(cfg.seed)
+    init_distributed(Spawn(cfg.spawn), cfg.seed)
     rank = int(os.environ["RANK"])
     training_map = load_vocab_map(cfg.vocab_map)
     tokenizer = load_tokenizer(cfg.target)

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,9 @@ from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.vocab import VocabMap, load_vocab_map
 from tests.conftest import ASSISTANT_WORDS, USER_WORDS, random_map, write_chats
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +113,33 @@ def test_guard_stops_as_is_and_remap_fixes_it(scratch_run, trained_target, chats
     assert fixed.metrics["preflight_misaligned"] == 0.0
     assert fixed.metrics["preflight_step0_loss"] < 0.5 * consented.metrics["preflight_step0_loss"]
     assert fixed.metrics["preflight_step0_acc"] > 0.4
+
+
+def test_resume_after_a_stop_ends_with_the_same_weights(trained_target, chats, training_map, tmp_path):
+    overrides = [f"target={trained_target}", f"data={chats}", f"vocab_map={training_map}", "init=scratch",
+                 "ttt_steps=3", "micro_batch_size=4", "max_length=48", "lr=3e-3", "log_every=1",
+                 "val_fraction=0.2", "epochs=4", "checkpoint_every=1000", "deepspeed.warmup_ratio=0.1"]
+    finetune.run(compose_stage("finetune", overrides + [f"out={tmp_path / 'straight'}"]))
+
+    command = [sys.executable, "-m", "stages.finetune", *overrides, f"out={tmp_path / 'stopped'}"]
+    metrics = tmp_path / "stopped.checkpoints" / "metrics.jsonl"
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and '"split": "train"' in metrics.read_text():
+            process.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.02)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1 and "stopped by a signal at step" in stderr, stderr[-2000:]
+    stopped_at = int(stderr.split("stopped by a signal at step ")[1].split()[0])
+    assert 1 <= stopped_at < 36 and not (tmp_path / "stopped").exists()
+
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    straight = Eagle3Drafter.from_checkpoint(tmp_path / "straight" / "drafter").state_dict()
+    after_stop = Eagle3Drafter.from_checkpoint(tmp_path / "stopped" / "drafter").state_dict()
+    for name, tensor in straight.items():
+        assert torch.allclose(tensor, after_stop[name], atol=1e-6), name
+    steps = [m["step"] for m in read_metrics(tmp_path / "stopped") if m["split"] == "train"]
+    assert steps == list(range(1, 37))  # every step once: none repeated, none missing
