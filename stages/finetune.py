@@ -15,6 +15,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,11 +25,11 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm import tqdm
 
 from stages.common import guard
-from stages.common.artifacts import staged_output
+from stages.common.artifacts import read_manifest, staged_output
 from stages.common.chat import load_tokenizer, tokenized_chats
 from stages.common.checkpoint import DrafterCheckpoint
 from stages.common.cli import StageResult, register_schema, stage_main
@@ -97,6 +99,7 @@ class FinetuneConfig:
 
 
 register_schema("finetune", FinetuneConfig)
+RANK_FLAG = "--rank-config"
 
 
 # ---------------------------------------------------------------- the drafter to start from
@@ -166,10 +169,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def init_distributed(spawn: Spawn, seed: int) -> None:
+def init_distributed(launched: bool, seed: int) -> None:
     """Join the process group: ranks started by a launcher read its env; a lone in-process rank sets its own
     (gloo on CPU) on a free port, whatever a parent process left in the environment."""
-    if spawn is Spawn.inprocess and not torch.distributed.is_initialized():
+    if not launched and not torch.distributed.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     if not torch.cuda.is_available():
@@ -211,12 +214,13 @@ def split(data: dict[str, torch.Tensor], val_fraction: float, seed: int) -> tupl
 
 
 def micro_batches(data: dict[str, torch.Tensor], size: int, epoch: int, seed: int, rank: int, world: int,
-                  skip: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of one epoch: a seeded shuffle, strided over ranks, whole batches only."""
+                  skip: int = 0, accumulation: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of one epoch: a seeded shuffle, strided over ranks, whole global batches only
+    (so no accumulated gradient spills into the next epoch)."""
     count = data["input_ids"].shape[0]
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
     per_step = size * world
-    for index in range(skip, count // per_step):
+    for index in range(skip, count // (per_step * accumulation) * accumulation):
         rows = order[index * per_step + rank * size: index * per_step + (rank + 1) * size]
         yield {name: tensor[rows] for name, tensor in data.items()}
 
@@ -314,7 +318,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
     started, tokens = time.perf_counter(), 0
     while progress.step < total_steps and progress.epoch < cfg.epochs:
         for batch in micro_batches(train_data, cfg.micro_batch_size, progress.epoch, cfg.seed, rank, world,
-                                   skip=progress.batch):
+                                   skip=progress.batch, accumulation=accumulation):
             stats = run_ttt(engine.module, target, batch, cfg.ttt_steps)
             engine.backward(stats.loss)
             engine.step()
@@ -357,11 +361,37 @@ def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
 
 
+def launch_ranks(cfg: DictConfig) -> StageResult:
+    """Start `nproc` ranks with torchrun on this stage's resolved config; rank 0 writes the output."""
+    work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints")
+    work.mkdir(parents=True, exist_ok=True)
+    config_file = work / "rank_config.yaml"
+    OmegaConf.save(cfg, config_file, resolve=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               "-m", "stages.finetune", RANK_FLAG, str(config_file)]
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1])
+    manifest = read_manifest(cfg.out)
+    if done.returncode != 0 or manifest is None:
+        raise RegraftError(work, f"{cfg.nproc} torchrun ranks ended with exit code {done.returncode}",
+                           "read the ranks' output above; rerun to resume from the last checkpoint")
+    return StageResult(Path(cfg.out), manifest["metrics"], manifest.get("headline", ""))
+
+
 def run(cfg: DictConfig) -> StageResult:
-    if Spawn(cfg.spawn) is not Spawn.inprocess or cfg.nproc != 1:
-        raise RegraftError(None, f"spawn={Spawn(cfg.spawn).value} nproc={cfg.nproc} is not available yet",
-                           "use finetune.spawn=inprocess finetune.nproc=1")
-    init_distributed(Spawn(cfg.spawn), cfg.seed)
+    spawn = Spawn(cfg.spawn)
+    if spawn is Spawn.deepspeed:
+        raise RegraftError(None, "spawn=deepspeed is not available yet", "use finetune.spawn=torchrun")
+    if spawn is Spawn.torchrun:
+        return launch_ranks(cfg)
+    if cfg.nproc != 1:
+        raise RegraftError(None, "spawn=inprocess runs one rank", "use finetune.spawn=torchrun for nproc > 1")
+    return run_rank(cfg, launched=False)
+
+
+def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
+    """The training itself, on this process's rank (a launcher's, or a lone in-process one)."""
+    init_distributed(launched, cfg.seed)
     rank = int(os.environ["RANK"])
     training_map = load_vocab_map(cfg.vocab_map)
     tokenizer = load_tokenizer(cfg.target)
@@ -379,14 +409,15 @@ def run(cfg: DictConfig) -> StageResult:
         log.write(0, "preflight", checked.metrics())
     best_state, best_val = train(cfg, drafter, target, train_data, val_data, work, log, Progress())
     metrics = {**checked.metrics(), **{f"val_{k}": v for k, v in best_val.items()}}
+    headline = (f"init={Init(cfg.init).value}: best val loss {best_val.get('loss', float('nan')):.3f}, "
+                f"full_acc_0 {best_val.get('full_acc_0', float('nan')):.3f}, "
+                f"sim_accept_len {best_val.get('sim_accept_len', float('nan')):.2f}")
     if rank == 0:
         drafter.load_state_dict(best_state)
         with staged_output(cfg.out, "finetune", cfg) as staged:
             drafter.save(staged.path / "drafter", layout="sglang")
             (staged.path / "metrics.jsonl").write_text((work / "metrics.jsonl").read_text())
-            staged.update(metrics=metrics, checkpoint_dir=str(work.absolute()))
-    headline = (f"init={Init(cfg.init).value}: step-0 acc {checked.step0_acc if checked.step0_acc is not None else 'n/a'}"
-                f", val loss {best_val.get('loss', float('nan')):.3f}, sim accept {best_val.get('sim_accept_len', 0):.2f}")
+            staged.update(metrics=metrics, checkpoint_dir=str(work.absolute()), headline=headline)
     return StageResult(Path(cfg.out), metrics, headline)
 
 
@@ -395,5 +426,18 @@ def resumed_step(work: Path) -> int:
     return int(tag.removeprefix("step"))
 
 
+def rank_main(config_file: str) -> int:
+    """One torchrun rank: the launcher's resolved config, checked against the schema again."""
+    cfg = OmegaConf.merge(OmegaConf.structured(FinetuneConfig), OmegaConf.load(config_file))
+    try:
+        run_rank(cfg, launched=True)
+    except RegraftError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == [RANK_FLAG]:
+        raise SystemExit(rank_main(sys.argv[2]))
     raise SystemExit(stage_main("finetune", run))

@@ -143,3 +143,19 @@ def test_resume_after_a_stop_ends_with_the_same_weights(trained_target, chats, t
         assert torch.allclose(tensor, after_stop[name], atol=1e-6), name
     steps = [m["step"] for m in read_metrics(tmp_path / "stopped") if m["split"] == "train"]
     assert steps == list(range(1, 37))  # every step once: none repeated, none missing
+
+
+def test_two_ranks_match_one_rank_with_the_same_global_batch(trained_target, chats, training_map, tmp_path):
+    common = [f"target={trained_target}", f"data={chats}", f"vocab_map={training_map}", "init=scratch",
+              "ttt_steps=3", "micro_batch_size=4", "max_length=48", "lr=3e-3", "log_every=1", "val_fraction=0.2",
+              "epochs=2", "deepspeed.warmup_ratio=0.1"]
+    one = finetune.run(compose_stage("finetune", common + [f"out={tmp_path / 'one'}",
+                                                          "deepspeed.gradient_accumulation_steps=2"]))
+    two = finetune.run(compose_stage("finetune", common + [f"out={tmp_path / 'two'}", "spawn=torchrun", "nproc=2"]))
+    assert two.metrics["val_loss"] == pytest.approx(one.metrics["val_loss"], rel=1e-4)
+    weights_one = Eagle3Drafter.from_checkpoint(tmp_path / "one" / "drafter").state_dict()
+    weights_two = Eagle3Drafter.from_checkpoint(tmp_path / "two" / "drafter").state_dict()
+    for name, tensor in weights_one.items():
+        assert torch.allclose(tensor, weights_two[name], atol=1e-5), name
+    steps = [m["step"] for m in read_metrics(tmp_path / "two") if m["split"] == "train"]
+    assert steps == list(range(1, 9))
