@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Iterator, Optional
@@ -109,9 +109,9 @@ def initial_drafter(cfg: DictConfig, training_map: VocabMap) -> tuple[Eagle3Draf
     """The init's drafter and the map its lm_head was trained on (None for scratch, which has no past)."""
     init = Init(cfg.init)
     if init is Init.scratch:
-        config = DrafterCheckpoint.open(cfg.drafter).config if cfg.drafter else \
+        template = DrafterCheckpoint.open(cfg.drafter).config if cfg.drafter else \
             drafter_config_for(cfg.target, training_map.draft_vocab_size)
-        config.draft_vocab_size = training_map.draft_vocab_size
+        config = replace(template, draft_vocab_size=training_map.draft_vocab_size)
         drafter = Eagle3Drafter.initialised(config, training_map, seed=cfg.seed)
         verifier = Verifier.open(cfg.target)
         if verifier.hidden_size == config.hidden_size:
