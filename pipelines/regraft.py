@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 import pipelines.schema  # noqa: F401  (registers the pipeline-level schemas)
-from stages import compare, finetune, remap, vocab_map, world  # noqa: F401  (finetune: its schema)
+from stages import compare, features, finetune, remap, vocab_map, world  # noqa: F401  (schemas)
 from stages.common.artifacts import plain_config, read_manifest, write_json_atomic
 from stages.common.cli import CONF_DIR, StageResult
 from stages.common.errors import RegraftError

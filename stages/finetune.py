@@ -31,11 +31,12 @@ from tqdm import tqdm
 from stages.common import guard
 from stages.common.artifacts import read_manifest, staged_output
 from stages.common.chat import load_tokenizer, tokenized_chats
-from stages.common.checkpoint import DrafterCheckpoint
+from stages.features import load_features
+from stages.common.checkpoint import OUTPUT_OF_LAYER, DrafterCheckpoint, convert_aux_layer_ids
 from stages.common.cli import StageResult, register_schema, stage_main
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
-from stages.common.target import TargetModel
+from stages.common.target import TargetHead, TargetModel
 from stages.common.toy import drafter_config_for
 from stages.common.ttt import TTTStats, ttt_forward, ttt_metrics
 from stages.common.verifier import Verifier
@@ -75,10 +76,11 @@ class GuardConfig:
 @dataclass
 class FinetuneConfig:
     target: str = MISSING  # target model folder (the verifier)
-    data: str = MISSING  # chat JSONL for the target
+    data: Optional[str] = None  # chat JSONL for the target (online); not needed with `features`
     vocab_map: str = MISSING  # the training draft vocab
     out: str = MISSING
     drafter: Optional[str] = None  # the init's drafter (remap output / source drafter); scratch may omit it
+    features: Optional[str] = None  # a features stage output: train offline on cached target states
     init: Init = Init.remap
     ttt_steps: int = 7
     lr: float = 1e-4
@@ -154,10 +156,24 @@ def evaluate_batch(drafter: Eagle3Drafter, target: TargetModel, batch: dict[str,
     return run_ttt(drafter, target, batch, ttt_steps).metrics()
 
 
-def run_ttt(drafter: Eagle3Drafter, target: TargetModel, batch: dict[str, torch.Tensor], ttt_steps: int) -> TTTStats:
-    features = target.features(batch["input_ids"], batch["attention_mask"])
+def run_ttt(drafter: Eagle3Drafter, target: TargetModel | TargetHead, batch: dict[str, torch.Tensor],
+            ttt_steps: int) -> TTTStats:
+    """One unrolled pass; `target` runs the target (online) or reads cached states from the batch (offline)."""
+    features = target.batch_features(batch)
     return ttt_forward(drafter, target.embed, batch["input_ids"], batch["loss_mask"], features.aux_hidden,
                        features.logits, ttt_steps)
+
+
+def training_rows(cfg: DictConfig, drafter: Eagle3Drafter) -> tuple[TargetModel | TargetHead, dict]:
+    """Online: the whole target and tokenized chats. Offline: the target's embeddings and lm_head only, and the
+    cached rows (the same chats in the same order, so both modes see the same batches)."""
+    layer_ids = convert_aux_layer_ids(drafter.config.aux_layer_ids, drafter.config.aux_convention, OUTPUT_OF_LAYER)
+    if cfg.features:
+        return TargetHead(cfg.target), load_features(cfg.features, layer_ids, cfg.max_length)
+    if not cfg.data:
+        raise RegraftError(None, "finetune needs training data", "pass data=CHATS.jsonl (online) or features=DIR")
+    rows = tokenized_chats(load_tokenizer(cfg.target), Path(cfg.data), cfg.max_length)
+    return TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER), rows
 
 
 # ---------------------------------------------------------------- DeepSpeed
@@ -394,11 +410,9 @@ def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
     init_distributed(launched, cfg.seed)
     rank = int(os.environ["RANK"])
     training_map = load_vocab_map(cfg.vocab_map)
-    tokenizer = load_tokenizer(cfg.target)
-    train_data, val_data = split(tokenized_chats(tokenizer, Path(cfg.data), cfg.max_length), cfg.val_fraction,
-                                 cfg.seed)
     drafter, own_map = initial_drafter(cfg, training_map)
-    target = TargetModel.load(cfg.target, drafter.config.aux_layer_ids, drafter.config.aux_convention)
+    target, rows = training_rows(cfg, drafter)
+    train_data, val_data = split(rows, cfg.val_fraction, cfg.seed)
     first = next(micro_batches(train_data, cfg.micro_batch_size, 0, cfg.seed, 0, 1))
     checked = preflight(cfg, drafter, own_map, training_map, target, first)
     work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints")

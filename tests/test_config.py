@@ -7,7 +7,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 import pipelines.schema  # noqa: F401
-from stages import compare, finetune, remap, vocab_map, world  # noqa: F401  (register their schemas)
+from stages import compare, features, finetune, remap, vocab_map, world  # noqa: F401  (register their schemas)
 from stages.common.cli import CONF_DIR, compose_stage
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
@@ -51,6 +51,7 @@ def test_overrides_and_typos():
 
 @pytest.mark.parametrize("stage, inputs", [("vocab_map", {"tokenizer", "data", "out"}), ("compare", {"a", "b"}),
                                            ("remap", {"drafter", "vocab_map", "out"}), ("world", {"out"}),
-                                           ("finetune", {"target", "data", "vocab_map", "out"})])
+                                           ("finetune", {"target", "vocab_map", "out"}),
+                                           ("features", {"target", "data", "out"})])
 def test_each_stage_composes_alone_and_asks_for_its_inputs(stage, inputs):
     assert OmegaConf.missing_keys(compose_stage(stage, [])) == inputs

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import finetune, remap, vocab_map
+from stages import features, finetune, remap, vocab_map
 from stages.common import toy
 from stages.common.cli import compose_stage
 from stages.common.eagle3 import Eagle3Drafter
@@ -159,3 +159,20 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(trained_target, cha
         assert torch.allclose(tensor, weights_two[name], atol=1e-5), name
     steps = [m["step"] for m in read_metrics(tmp_path / "two") if m["split"] == "train"]
     assert steps == list(range(1, 9))
+
+
+def test_offline_features_give_the_same_losses_as_online(trained_target, chats, training_map, tmp_path):
+    cached = tmp_path / "features"
+    result = features.run(compose_stage("features", [f"target={trained_target}", f"data={chats}", f"out={cached}",
+                                                     "max_length=48", "rows_per_shard=16"]))
+    assert result.metrics["rows"] == 48 and result.metrics["shards"] == 3
+    common = [f"target={trained_target}", f"vocab_map={training_map}", "init=scratch", "ttt_steps=3",
+              "micro_batch_size=4", "max_length=48", "lr=3e-3", "log_every=1", "val_fraction=0.2", "max_steps=4"]
+    online = finetune.run(compose_stage("finetune", common + [f"data={chats}", f"out={tmp_path / 'online'}"]))
+    offline = finetune.run(compose_stage("finetune", common + [f"features={cached}", f"out={tmp_path / 'offline'}"]))
+    online_steps = [m for m in read_metrics(tmp_path / "online") if m["split"] == "train"]
+    offline_steps = [m for m in read_metrics(tmp_path / "offline") if m["split"] == "train"]
+    assert [m["step"] for m in offline_steps] == [1, 2, 3, 4]
+    for a, b in zip(online_steps, offline_steps):  # step 1 reports the loss before any update: step 0's
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["full_acc_0"] == a["full_acc_0"]
+    assert offline.metrics["val_loss"] == pytest.approx(online.metrics["val_loss"], rel=1e-5)

@@ -19,6 +19,7 @@ from stages.common.errors import RegraftError
 class TargetFeatures:
     aux_hidden: torch.Tensor  # [B, T, 3 * H_target], the aux layers concatenated in id order
     logits: torch.Tensor  # [B, T, V], the target's next-token logits at every position
+    last_hidden: torch.Tensor | None = None  # [B, T, H_target] after the final norm: logits = lm_head(last_hidden)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -40,9 +41,12 @@ class TargetModel:
         if min(self.output_layer_ids) < 0 or max(self.output_layer_ids) >= len(layers):
             raise RegraftError(None, f"aux layers {aux_layer_ids} ({convention}) are outside the target's "
                                f"{len(layers)} layers", "check the drafter's eagle_aux_hidden_state_layer_ids")
-        self._captured: dict[int, torch.Tensor] = {}
+        self._captured: dict[int | str, torch.Tensor] = {}
         for layer_id in set(self.output_layer_ids):
             layers[layer_id].register_forward_hook(self._capture(layer_id))
+        final_norm = getattr(self.model.get_decoder(), "norm", None)
+        if final_norm is not None:
+            final_norm.register_forward_hook(self._capture("last"))
 
     @classmethod
     def load(cls, path: str | Path, aux_layer_ids: list[int], convention: str = OUTPUT_OF_LAYER,
@@ -53,7 +57,7 @@ class TargetModel:
             raise RegraftError(path, "no config.json: not a target model folder", "point at a save_pretrained folder")
         return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), aux_layer_ids, convention)
 
-    def _capture(self, layer_id: int):
+    def _capture(self, layer_id: int | str):
         def hook(module, inputs, output):
             self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
 
@@ -72,5 +76,32 @@ class TargetModel:
         self._captured.clear()
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         aux = torch.cat([self._captured[i] for i in self.output_layer_ids], dim=-1)
+        last = self._captured.get("last")
         self._captured.clear()
-        return TargetFeatures(aux_hidden=aux, logits=logits)
+        return TargetFeatures(aux_hidden=aux, logits=logits, last_hidden=last)
+
+    def batch_features(self, batch: dict[str, torch.Tensor]) -> TargetFeatures:
+        """Online: run the target on the batch."""
+        return self.features(batch["input_ids"], batch["attention_mask"])
+
+
+class TargetHead:
+    """Only the target's token embeddings and lm_head, read from its folder: enough to train on cached features."""
+
+    def __init__(self, path: str | Path):
+        from stages.common.verifier import EMBED_NAMES, Verifier
+
+        verifier = Verifier.open(path)
+        files = verifier.files
+        embed_name = next(name for name in EMBED_NAMES if name in files)
+        self.embedding = nn.Embedding.from_pretrained(files.get(embed_name).float(), freeze=True)
+        self.lm_head = files.get(verifier.lm_head_name).float()
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(input_ids)
+
+    @torch.no_grad()
+    def batch_features(self, batch: dict[str, torch.Tensor]) -> TargetFeatures:
+        """Offline: the batch carries the cached aux and final hidden states; only the lm_head runs."""
+        return TargetFeatures(aux_hidden=batch["aux_hidden"].float(), logits=batch["last_hidden"].float() @ self.lm_head.T)
