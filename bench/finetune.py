@@ -3,7 +3,8 @@
 Both loops run the same drafter, data, TTT unroll (online: the target's forward inside the step), AdamW and
 gradient clipping; the DeepSpeed one goes through `deepspeed.initialize` (ZeRO 0, fp32, gloo, world size 1) as the
 finetune stage does. Two sizes: the toy world's (hidden 64) and a wider one (hidden 256). The goal is DeepSpeed's
-overhead under 10% at world size 1. Offline mode (cached target features) is not built yet, so it is not measured.
+overhead under 10% at world size 1. The last column is the DeepSpeed loop offline: the target's states cached by the
+features stage, so a step runs only the target's lm_head instead of its whole forward.
 
     .venv/bin/python bench/finetune.py [--steps 30] [--warmup 5]
 """
@@ -31,10 +32,21 @@ from stages.common.eagle3 import Eagle3Drafter  # noqa: E402
 from stages.common.target import TargetModel  # noqa: E402
 from stages.common.toy import drafter_config_for, tiny_llama, train_tokenizer  # noqa: E402
 from stages.common.vocab import VocabMap  # noqa: E402
+from stages import features  # noqa: E402
+from stages.common.cli import compose_stage  # noqa: E402
+from stages.common.target import TargetHead  # noqa: E402
 from stages.finetune import init_distributed, micro_batches, run_ttt  # noqa: E402
 
 SIZES = {"toy (hidden 64)": 64, "wide (hidden 256)": 256}
 TTT_STEPS, MICRO_BATCH, MAX_LENGTH, DRAFT_VOCAB = 5, 8, 256, 1024
+
+
+def cached_rows(root: Path, target_dir: Path, data: Path) -> dict[str, torch.Tensor]:
+    out = root / f"features-{target_dir.name}"
+    features.run(compose_stage("features", [f"target={target_dir}", f"data={data}", f"out={out}",
+                                            f"max_length={MAX_LENGTH}"]))
+    config = drafter_config_for(target_dir, DRAFT_VOCAB)
+    return features.load_features(out, config.aux_layer_ids, MAX_LENGTH)
 
 
 def build_world(root: Path, hidden: int) -> tuple[TargetModel, dict[str, torch.Tensor], VocabMap, Path]:
@@ -105,7 +117,8 @@ def main() -> int:
     torch.set_num_threads(2)
     init_distributed(launched=False, seed=0)
     table = Table(title=f"finetune step throughput (CPU, batch {MICRO_BATCH} x {MAX_LENGTH}, TTT {TTT_STEPS}, online)")
-    for column in ("size", "drafter params", "plain tok/s", "DeepSpeed tok/s", "DeepSpeed overhead"):
+    for column in ("size", "drafter params", "plain tok/s", "DeepSpeed tok/s", "DeepSpeed overhead",
+                   "offline DeepSpeed tok/s"):
         table.add_column(column, justify="right")
     with tempfile.TemporaryDirectory() as tmp:
         for name, hidden in SIZES.items():
@@ -117,10 +130,16 @@ def main() -> int:
                 batches = list(micro_batches(rows, MICRO_BATCH, 0, 0, 0, 1))[: args.steps + args.warmup]
                 seconds, tokens = time_loop(make(drafter, target), batches, args.warmup)
                 results[label] = tokens / seconds
+            torch.manual_seed(0)
+            offline_rows = cached_rows(Path(tmp), target_dir, Path(tmp) / "chats.jsonl")
+            batches = list(micro_batches(offline_rows, MICRO_BATCH, 0, 0, 0, 1))[: args.steps + args.warmup]
+            seconds, tokens = time_loop(deepspeed_loop(fresh_drafter(target_dir, vocab_map), TargetHead(target_dir)),
+                                        batches, args.warmup)
+            results["offline"] = tokens / seconds
             plain = (results["plain"] + results["plain again"]) / 2  # before and after, to average out drift
             params = sum(p.numel() for p in fresh_drafter(target_dir, vocab_map).parameters())
             table.add_row(name, f"{params / 1e6:.2f} M", f"{plain:,.0f}", f"{results['deepspeed']:,.0f}",
-                          f"{plain / results['deepspeed'] - 1:+.1%}")
+                          f"{plain / results['deepspeed'] - 1:+.1%}", f"{results['offline']:,.0f}")
     Console().print(table)
     return 0
 
