@@ -11,6 +11,7 @@ DeepSpeed checkpoints go to `checkpoint_dir` (default `<out>.checkpoints`), so a
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -374,7 +375,13 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
 
 
 def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+    """A full copy of the weights; under ZeRO-3 the partitioned parameters are gathered first (on every rank)."""
+    import deepspeed
+
+    params = list(module.parameters())
+    partitioned = any(hasattr(param, "ds_id") for param in params)
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None) if partitioned else contextlib.nullcontext():
+        return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
 
 
 def launch_ranks(cfg: DictConfig) -> StageResult:
@@ -427,9 +434,11 @@ def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
                 f"full_acc_0 {best_val.get('full_acc_0', float('nan')):.3f}, "
                 f"sim_accept_len {best_val.get('sim_accept_len', float('nan')):.2f}")
     if rank == 0:
-        drafter.load_state_dict(best_state)
+        with torch.device("meta"):
+            best = Eagle3Drafter(drafter.config)  # a plain module: the engine's may hold ZeRO-3 partitions
+        best.load_state_dict(best_state, assign=True)
         with staged_output(cfg.out, "finetune", cfg) as staged:
-            drafter.save(staged.path / "drafter", layout="sglang")
+            best.save(staged.path / "drafter", layout="sglang")
             (staged.path / "metrics.jsonl").write_text((work / "metrics.jsonl").read_text())
             staged.update(metrics=metrics, checkpoint_dir=str(work.absolute()), headline=headline)
     return StageResult(Path(cfg.out), metrics, headline)

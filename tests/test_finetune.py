@@ -176,3 +176,15 @@ def test_offline_features_give_the_same_losses_as_online(trained_target, chats, 
     for a, b in zip(online_steps, offline_steps):  # step 1 reports the loss before any update: step 0's
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["full_acc_0"] == a["full_acc_0"]
     assert offline.metrics["val_loss"] == pytest.approx(online.metrics["val_loss"], rel=1e-5)
+
+
+def test_zero3_trains_and_exports_like_zero0(trained_target, chats, training_map, tmp_path):
+    common = [f"target={trained_target}", f"data={chats}", f"vocab_map={training_map}", "init=scratch",
+              "ttt_steps=2", "micro_batch_size=4", "max_length=48", "lr=3e-3", "val_fraction=0.2", "max_steps=3"]
+    zero0 = finetune.run(compose_stage("finetune", common + [f"out={tmp_path / 'z0'}"]))
+    zero3 = finetune.run(compose_stage("finetune", common + [f"out={tmp_path / 'z3'}", "deepspeed.zero_stage=3"]))
+    assert zero3.metrics["val_loss"] == pytest.approx(zero0.metrics["val_loss"], rel=1e-5)
+    a = Eagle3Drafter.from_checkpoint(tmp_path / "z0" / "drafter").state_dict()
+    b = Eagle3Drafter.from_checkpoint(tmp_path / "z3" / "drafter").state_dict()  # gathered, not empty partitions
+    for name, tensor in a.items():
+        assert torch.allclose(tensor, b[name], atol=1e-6), name
