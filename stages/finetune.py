@@ -128,6 +128,7 @@ def initial_drafter(cfg: DictConfig, training_map: VocabMap) -> tuple[Eagle3Draf
     if own_map.draft_vocab_size != training_map.draft_vocab_size:
         raise RegraftError(cfg.drafter, f"draft vocab of {own_map.draft_vocab_size} ids, the training map has "
                            f"{training_map.draft_vocab_size}", "remap the drafter onto the training map")
+    drafter.set_vocab_map(training_map)  # training reads any init through the training map (as_is: unchanged rows)
     return drafter, own_map
 
 
@@ -139,8 +140,6 @@ def preflight(cfg: DictConfig, drafter: Eagle3Drafter, own_map: VocabMap | None,
                                training_map.draft_vocab_size)
     checked = guard.compare_with_training_map(own_map, training_map)
     trained_on_new_map = guard.remapped_in_memory(drafter, own_map, training_map)
-    drafter.set_vocab_map(training_map)  # what training would do with this init: read it with the new map
-    trained_on_new_map.set_vocab_map(training_map)
     with torch.no_grad():
         as_given = evaluate_batch(drafter, target, batch, cfg.ttt_steps)
         remapped = evaluate_batch(trained_on_new_map, target, batch, cfg.ttt_steps)
@@ -273,9 +272,7 @@ def validate(drafter: Eagle3Drafter, target: TargetModel, val: dict[str, torch.T
             sums = counts if sums is None else [a + b for a, b in zip(sums, counts)]
             batches += 1
     step_losses, *counts = sums
-    metrics = ttt_metrics(step_losses / batches, *counts)
-    metrics["loss"] = float(sum(0.8 ** k * metrics[f"loss_{k}"] for k in range(cfg.ttt_steps)))
-    return metrics
+    return ttt_metrics(step_losses / batches, *counts)
 
 
 class StopSignal:
@@ -347,7 +344,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             bar.update(1)
             if progress.step % cfg.log_every == 0 or progress.step == total_steps:
                 elapsed = time.perf_counter() - started
-                log.write(progress.step, "train", {**stats.metrics(), "loss": float(stats.loss.detach()),
+                log.write(progress.step, "train", {**stats.metrics(),
                                                    "lr": scheduler.get_last_lr()[0],
                                                    "grad_norm": float(engine.get_global_grad_norm() or 0.0),
                                                    "tokens_per_s": tokens * world / max(elapsed, 1e-9)})

@@ -107,6 +107,7 @@ def test_metrics_from_counts():
     assert metrics["full_acc_1"] == pytest.approx(0.6) and metrics["cond_acc_1"] == pytest.approx(0.5)
     assert metrics["sim_accept_len"] == pytest.approx(1 + 0.8 + 0.8 * 0.5 + 0.8 * 0.5 * 0.5)
     assert metrics["loss_2"] == 4.0
+    assert metrics["loss"] == pytest.approx(2.0 + 0.8 * 3.0 + 0.64 * 4.0)
 
 
 def test_training_lowers_loss_and_raises_accuracy(target, target_dir, vocab_size):

@@ -220,7 +220,8 @@ class Eagle3Drafter(nn.Module):
         self.t2d.copy_(vocab_map.t2d)
 
     def vocab_map(self) -> VocabMap:
-        return VocabMap(self.d2t.cpu(), self.t2d.cpu(), source="<module>")
+        # A copy: set_vocab_map writes into the buffers in place, and .cpu() of a CPU tensor is no copy.
+        return VocabMap(self.d2t.detach().cpu().clone(), self.t2d.detach().cpu().clone(), source="<module>")
 
     def save(self, out_dir: str | Path, layout: Layout = "sglang") -> Path:
         state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from stages.common.eagle3 import Eagle3Drafter, TTTCache
 
+DECAY = 0.8  # weight of draft step k's loss is DECAY**k
+
 
 def shift_left(x: torch.Tensor, steps: int) -> torch.Tensor:
     """x[:, t + steps] at t, zero past the end (dim 1 is time)."""
@@ -45,8 +47,9 @@ class TTTStats:
 
 
 def ttt_metrics(step_losses: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor, cond_correct: torch.Tensor,
-                cond_valid: torch.Tensor) -> dict[str, float]:
-    metrics: dict[str, float] = {}
+                cond_valid: torch.Tensor, decay: float = DECAY) -> dict[str, float]:
+    """Per-step metrics, `loss` (the decay-weighted total) and `sim_accept_len`, from (summed) counts."""
+    metrics: dict[str, float] = {"loss": float(sum(decay ** k * float(l) for k, l in enumerate(step_losses)))}
     accept, chain = 1.0, 1.0
     for k in range(len(step_losses)):
         cond_acc = float(cond_correct[k]) / max(float(cond_valid[k]), 1.0)
@@ -60,7 +63,7 @@ def ttt_metrics(step_losses: torch.Tensor, correct: torch.Tensor, valid: torch.T
 
 def ttt_forward(drafter: Eagle3Drafter, embed: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
                 loss_mask: torch.Tensor, aux_hidden: torch.Tensor, target_logits: torch.Tensor, ttt_steps: int,
-                decay: float = 0.8) -> TTTStats:
+                decay: float = DECAY) -> TTTStats:
     """Unroll the drafter over a batch of target features; see the module docstring for the alignment."""
     B, T = input_ids.shape
     draft_ids = drafter.d2t + torch.arange(drafter.d2t.numel(), device=drafter.d2t.device)
