@@ -381,31 +381,42 @@ def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
 
 
+def launcher_command(spawn: Spawn, nproc: int, config_file: Path) -> list[str]:
+    """torchrun or DeepSpeed's own launcher, each starting `nproc` local ranks of this module."""
+    port = str(free_port())
+    if spawn is Spawn.torchrun:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", port,
+                "-m", "stages.finetune", RANK_FLAG, str(config_file)]
+    # --no_local_rank: the ranks read LOCAL_RANK from the environment, as under torchrun
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", port, "--no_local_rank",
+            "--module", "stages.finetune", RANK_FLAG, str(config_file)]
+
+
 def launch_ranks(cfg: DictConfig) -> StageResult:
-    """Start `nproc` ranks with torchrun on this stage's resolved config; rank 0 writes the output."""
+    """Start `nproc` ranks with torchrun or `deepspeed` on this stage's resolved config; rank 0 writes."""
+    spawn = Spawn(cfg.spawn)
     work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints")
     work.mkdir(parents=True, exist_ok=True)
     config_file = work / "rank_config.yaml"
     OmegaConf.save(cfg, config_file, resolve=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(cfg.nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               "-m", "stages.finetune", RANK_FLAG, str(config_file)]
-    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run(launcher_command(spawn, cfg.nproc, config_file.absolute()),
+                          cwd=Path(__file__).resolve().parents[1])
     manifest = read_manifest(cfg.out)
     if done.returncode != 0 or manifest is None:
-        raise RegraftError(work, f"{cfg.nproc} torchrun ranks ended with exit code {done.returncode}",
+        raise RegraftError(work, f"{cfg.nproc} {spawn.value} ranks ended with exit code {done.returncode}",
                            "read the ranks' output above; rerun to resume from the last checkpoint")
     return StageResult(Path(cfg.out), manifest["metrics"], manifest.get("headline", ""))
 
 
 def run(cfg: DictConfig) -> StageResult:
     spawn = Spawn(cfg.spawn)
-    if spawn is Spawn.deepspeed:
-        raise RegraftError(None, "spawn=deepspeed is not available yet", "use finetune.spawn=torchrun")
-    if spawn is Spawn.torchrun:
+    if spawn is not Spawn.inprocess:
         return launch_ranks(cfg)
     if cfg.nproc != 1:
-        raise RegraftError(None, "spawn=inprocess runs one rank", "use finetune.spawn=torchrun for nproc > 1")
+        raise RegraftError(None, "spawn=inprocess runs one rank",
+                           "use finetune.spawn=torchrun or spawn=deepspeed for nproc > 1")
     return run_rank(cfg, launched=False)
 
 

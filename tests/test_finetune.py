@@ -18,53 +18,14 @@ from stages.common.cli import compose_stage
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.vocab import VocabMap, load_vocab_map
-from tests.conftest import ASSISTANT_WORDS, USER_WORDS, random_map, write_chats
+from tests.conftest import finetune_cfg, random_map
 
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def chats(tmp_path_factory) -> Path:
-    rng = random.Random(0)
-    words = ASSISTANT_WORDS.split()
-    conversations = []
-    for _ in range(48):
-        start = rng.randrange(6)
-        answer = " ".join(words[(start + i) % 6] for i in range(12))  # a cycle the drafter can learn
-        conversations.append([("user", rng.choice(USER_WORDS.split())), ("assistant", answer)])
-    return write_chats(tmp_path_factory.mktemp("ft") / "chats.jsonl", conversations)
-
-
-@pytest.fixture(scope="module")
-def trained_target(target_dir, chats, tmp_path_factory) -> Path:
-    """The tiny target trained on the chats, so its next-token predictions are confident, as real targets are."""
-    return toy.train_causal_lm(target_dir, chats, tmp_path_factory.mktemp("ft") / "target", steps=60, max_length=48)
-
-
-@pytest.fixture(scope="module")
-def training_map(target_dir, chats, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ft") / "map"
-    vocab_map.run(compose_stage("vocab_map", [f"tokenizer={target_dir}", f"data={chats}", f"out={out}",
-                                              "draft_vocab_size=64"]))
-    return out
-
-
-def finetune_cfg(target_dir, chats, training_map, out: Path, *extra: str):
-    return compose_stage("finetune", [f"target={target_dir}", f"data={chats}", f"vocab_map={training_map}",
-                                      f"out={out}", "ttt_steps=3", "micro_batch_size=4", "max_length=48",
-                                      "lr=3e-3", "log_every=2", "val_fraction=0.2", "epochs=3",
-                                      "deepspeed.warmup_ratio=0.0", *extra])
-
-
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def scratch_run(trained_target, chats, training_map, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ft") / "scratch"
-    return out, finetune.run(finetune_cfg(trained_target, chats, training_map, out, "init=scratch"))
 
 
 def test_scratch_finetune_learns_and_exports(scratch_run, training_map):
@@ -145,18 +106,22 @@ def test_resume_after_a_stop_ends_with_the_same_weights(trained_target, chats, t
     assert steps == list(range(1, 37))  # every step once: none repeated, none missing
 
 
-def test_two_ranks_match_one_rank_with_the_same_global_batch(trained_target, chats, training_map, tmp_path):
+# ZeRO-3 reduce-scatters partitioned gradients: the sums run in another order than one rank's accumulation, and
+# Adam turns the last-bit differences of near-zero gradients into steps of up to lr (3e-3) per weight.
+@pytest.mark.parametrize("spawn,zero_stage,rel,atol", [("torchrun", 0, 1e-4, 1e-5), ("deepspeed", 3, 2e-3, 1e-2)])
+def test_two_ranks_match_one_rank_with_the_same_global_batch(trained_target, chats, training_map, tmp_path,
+                                                             spawn, zero_stage, rel, atol):
     common = [f"target={trained_target}", f"data={chats}", f"vocab_map={training_map}", "init=scratch",
               "ttt_steps=3", "micro_batch_size=4", "max_length=48", "lr=3e-3", "log_every=1", "val_fraction=0.2",
-              "epochs=2", "deepspeed.warmup_ratio=0.1"]
+              "epochs=2", "deepspeed.warmup_ratio=0.1", f"deepspeed.zero_stage={zero_stage}"]
     one = finetune.run(compose_stage("finetune", common + [f"out={tmp_path / 'one'}",
                                                           "deepspeed.gradient_accumulation_steps=2"]))
-    two = finetune.run(compose_stage("finetune", common + [f"out={tmp_path / 'two'}", "spawn=torchrun", "nproc=2"]))
-    assert two.metrics["val_loss"] == pytest.approx(one.metrics["val_loss"], rel=1e-4)
+    two = finetune.run(compose_stage("finetune", common + [f"out={tmp_path / 'two'}", f"spawn={spawn}", "nproc=2"]))
+    assert two.metrics["val_loss"] == pytest.approx(one.metrics["val_loss"], rel=rel)
     weights_one = Eagle3Drafter.from_checkpoint(tmp_path / "one" / "drafter").state_dict()
     weights_two = Eagle3Drafter.from_checkpoint(tmp_path / "two" / "drafter").state_dict()
     for name, tensor in weights_one.items():
-        assert torch.allclose(tensor, weights_two[name], atol=1e-5), name
+        assert torch.allclose(tensor, weights_two[name], atol=atol), name
     steps = [m["step"] for m in read_metrics(tmp_path / "two") if m["split"] == "train"]
     assert steps == list(range(1, 9))
 
