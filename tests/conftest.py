@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ import torch
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from stages import finetune, vocab_map  # noqa: E402
 from stages.common import toy  # noqa: E402
+from stages.common.cli import compose_stage  # noqa: E402
 from stages.common.vocab import VocabMap  # noqa: E402
 
 USER_WORDS = "alpha bravo charlie kilo lima mike"
@@ -68,3 +71,45 @@ def make_drafter(target_dir, tmp_path):
         return toy.fresh_drafter(target_dir, vocab_map, tmp_path / name, layout=layout, seed=seed)
 
     return make
+
+
+# A target trained on a cycle of words, and a drafter fine-tuned on it: small, but they predict as real ones do.
+@pytest.fixture(scope="session")
+def chats(tmp_path_factory) -> Path:
+    rng = random.Random(0)
+    words = ASSISTANT_WORDS.split()
+    conversations = []
+    for _ in range(48):
+        start = rng.randrange(6)
+        answer = " ".join(words[(start + i) % 6] for i in range(12))  # a cycle the drafter can learn
+        conversations.append([("user", rng.choice(USER_WORDS.split())), ("assistant", answer)])
+    return write_chats(tmp_path_factory.mktemp("ft") / "chats.jsonl", conversations)
+
+
+@pytest.fixture(scope="session")
+def trained_target(target_dir, chats, tmp_path_factory) -> Path:
+    """The tiny target trained on the chats, so its next-token predictions are confident, as real targets are."""
+    return toy.train_causal_lm(target_dir, chats, tmp_path_factory.mktemp("ft") / "target", steps=60, max_length=48)
+
+
+@pytest.fixture(scope="session")
+def training_map(target_dir, chats, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ft") / "map"
+    vocab_map.run(compose_stage("vocab_map", [f"tokenizer={target_dir}", f"data={chats}", f"out={out}",
+                                              "draft_vocab_size=64"]))
+    return out
+
+
+def finetune_cfg(target_dir, chats, training_map, out: Path, *extra: str):
+    return compose_stage("finetune", [f"target={target_dir}", f"data={chats}", f"vocab_map={training_map}",
+                                      f"out={out}", "ttt_steps=3", "micro_batch_size=4", "max_length=48",
+                                      "lr=3e-3", "log_every=2", "val_fraction=0.2", "epochs=3",
+                                      "deepspeed.warmup_ratio=0.0", *extra])
+
+
+@pytest.fixture(scope="session")
+def scratch_run(trained_target, chats, training_map, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ft") / "scratch"
+    return out, finetune.run(finetune_cfg(trained_target, chats, training_map, out, "init=scratch"))
+
+

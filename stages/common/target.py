@@ -5,6 +5,7 @@ either convention: "output of layer i" hooks layer i's output; "input of layer i
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,11 @@ class TargetModel:
         return hook
 
     @property
+    def _cache_argument(self) -> str:
+        # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes in 5.40).
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    @property
     def num_layers(self) -> int:
         return len(decoder_layers(self.model))
 
@@ -72,9 +78,12 @@ class TargetModel:
         return self.model.get_input_embeddings()(input_ids)
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetFeatures:
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 past_key_values=None) -> TargetFeatures:
+        """The target on new tokens; with `past_key_values` (an HF cache) they follow the cached ones."""
         self._captured.clear()
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        cached = {} if past_key_values is None else {self._cache_argument: past_key_values, "use_cache": True}
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **cached).logits
         aux = torch.cat([self._captured[i] for i in self.output_layer_ids], dim=-1)
         last = self._captured.get("last")
         self._captured.clear()

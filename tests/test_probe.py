@@ -1,0 +1,102 @@
+"""probe/evaluate with the hf backend: greedy speculative decoding is lossless, and accept_len counts right."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages import evaluate, probe
+from stages.common.cli import compose_stage
+from stages.common.eagle3 import Eagle3Drafter
+from stages.common.errors import RegraftError
+from stages.common.spec_decode import SpeculativeDecoder, greedy_generate
+from stages.common.target import TargetModel
+from stages.common.vocab import load_vocab_map
+from tests.conftest import write_chats
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    conversations = [[("user", "alpha")], [("user", "kilo"), ("assistant", "-"), ("user", "mike")],
+                     [("user", "bravo charlie")], [("user", "lima")]]
+    return write_chats(tmp_path_factory.mktemp("probe") / "prompts.jsonl", conversations)
+
+
+@pytest.fixture(scope="module")
+def misaligned_drafter(scratch_run, tmp_path_factory) -> Path:
+    """The trained drafter with its lm_head rows shuffled: the failure regraft exists to catch."""
+    drafter = Eagle3Drafter.from_checkpoint(scratch_run[0] / "drafter")
+    permutation = torch.randperm(drafter.lm_head.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    drafter.lm_head.weight.data = drafter.lm_head.weight.data[permutation].clone()
+    return drafter.save(tmp_path_factory.mktemp("probe") / "misaligned")
+
+
+def probe_cfg(target: Path, drafter: Path, out: Path, prompts: Path, *extra: str):
+    return compose_stage("probe", [f"target={target}", f"drafter={drafter}", f"out={out}", f"prompts={prompts}",
+                                   "max_new_tokens=24", *extra])
+
+
+def test_probe_is_lossless_and_ranks_drafters(trained_target, scratch_run, misaligned_drafter, make_drafter,
+                                              training_map, prompts, tmp_path):
+    random_drafter = make_drafter(load_vocab_map(training_map), "random", seed=3)
+    results = {}
+    for name, drafter in [("good", scratch_run[0]), ("random", random_drafter), ("misaligned", misaligned_drafter)]:
+        results[name] = probe.run(probe_cfg(trained_target, drafter, tmp_path / name, prompts))
+        metrics = results[name].metrics
+        assert metrics["lossless"] == 1 and metrics["turns"] == 5
+        assert 1.0 <= metrics["accept_len"] <= 4.0
+        rows = list(csv.DictReader((tmp_path / name / "per_prompt.csv").open()))
+        assert len(rows) == 5 and {row["lossless"] for row in rows} == {"1"}
+        assert metrics["accept_len"] == pytest.approx(
+            sum(int(r["completion_tokens"]) for r in rows) / sum(int(r["verify_steps"]) for r in rows))
+        assert metrics["accept_rate_1"] >= metrics["accept_rate_2"] >= metrics["accept_rate_3"]
+    accept = {name: result.metrics["accept_len"] for name, result in results.items()}
+    assert accept["good"] > 2.0 and accept["good"] > accept["misaligned"] + 0.5 and accept["random"] < 1.5, accept
+    assert (tmp_path / "good" / "acceptance.png").stat().st_size > 0
+
+
+def test_evaluate_is_the_probe_measurement_on_a_finetune_output(trained_target, scratch_run, prompts, tmp_path):
+    phase0 = probe.run(probe_cfg(trained_target, scratch_run[0] / "drafter", tmp_path / "p", prompts))
+    phase1 = evaluate.run(compose_stage("evaluate", [f"target={trained_target}", f"drafter={scratch_run[0]}",
+                                                     f"out={tmp_path / 'e'}", f"prompts={prompts}",
+                                                     "max_new_tokens=24"]))
+    assert phase1.metrics["accept_len"] == phase0.metrics["accept_len"]
+    assert json.loads((tmp_path / "e" / "manifest.json").read_text())["stage"] == "evaluate"
+
+
+class ScriptedDrafts(SpeculativeDecoder):
+    """Test double of the drafter: proposes the greedy reference for `right` positions, then wrong tokens."""
+
+    def __init__(self, target: TargetModel, drafter: Eagle3Drafter, reference: list[int], right: int):
+        super().__init__(target, drafter, num_steps=3)
+        self.reference, self.right, self.emitted = reference, right, 0
+
+    def draft(self, cache, aux, next_tokens):
+        # The first call follows the prefill's one token; each later one the tokens of the last verify.
+        self.emitted = 1 if self.emitted == 0 else self.emitted + len(next_tokens)
+        at = self.emitted
+        drafts = self.reference[at: at + self.right]
+        return drafts + [(self.reference[at + i] + 1) % 64 for i in range(len(drafts), self.num_steps)]
+
+
+@pytest.mark.parametrize("right", [0, 2, 3])
+def test_accept_len_equals_a_hand_count(trained_target, scratch_run, right):
+    drafter = Eagle3Drafter.from_checkpoint(scratch_run[0] / "drafter")
+    target = TargetModel.load(trained_target, drafter.config.aux_layer_ids, drafter.config.aux_convention)
+    prompt, budget = [3, 7, 9], 21
+    reference = greedy_generate(target, prompt, budget + 8, stop_ids=set()).tokens
+    generation = ScriptedDrafts(target, drafter, reference, right).generate(prompt, budget, stop_ids=set())
+    assert generation.tokens == reference[:budget]
+    verifies = -(-(budget - 1) // (right + 1))  # each verify emits the accepted drafts plus the target's token
+    assert generation.accepted == [right] * verifies
+    assert generation.target_forwards == 1 + verifies
+    assert generation.accept_len == pytest.approx(budget / (1 + verifies))  # 21/21, 21/8, 21/6
+
+
+def test_hf_backend_refuses_tree_drafting(trained_target, scratch_run, prompts, tmp_path):
+    with pytest.raises(RegraftError, match="topk"):
+        probe.run(probe_cfg(trained_target, scratch_run[0], tmp_path / "t", prompts, "topk=2"))
+    assert not (tmp_path / "t").exists()
