@@ -10,20 +10,18 @@ from stages.common.cli import register_schema
 
 @dataclass
 class TargetConfig:
-    path: str = MISSING  # model folder (config.json, safetensors, tokenizer)
-    builtin: bool = False  # made by the world stage
+    path: str = MISSING  # model folder (config.json, safetensors, tokenizer), or @world/target_b
 
 
 @dataclass
 class SourceConfig:
-    path: str = MISSING  # drafter folder, sglang or speculators layout
-    builtin: bool = False
+    path: str = MISSING  # drafter folder, sglang or speculators layout, or @world/drafter_a
 
 
 @dataclass
 class DataConfig:
-    train: str = MISSING  # chat JSONL
-    builtin: bool = False
+    train: str = MISSING  # chat JSONL for vocab_map, features and finetune
+    prompts: str = "builtin"  # chat JSONL whose user turns probe and evaluate ask, or builtin
 
 
 register_schema("target", TargetConfig)

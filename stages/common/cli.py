@@ -12,6 +12,7 @@ from typing import Callable
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -38,8 +39,16 @@ def register_schema(stage: str, schema: type) -> None:
 
 
 def compose_stage(stage: str, overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(str(CONF_DIR / stage), version_base="1.3"):
-        return compose("default", overrides=overrides)
+    """`conf/STAGE/default.yaml` with Hydra overrides; also from inside a running Hydra app (the pipeline)."""
+    global_hydra = GlobalHydra.instance()
+    running = global_hydra.hydra if global_hydra.is_initialized() else None
+    global_hydra.clear()
+    try:
+        with initialize_config_dir(str(CONF_DIR / stage), version_base="1.3"):
+            return compose("default", overrides=overrides)
+    finally:
+        if running is not None:
+            GlobalHydra.instance().initialize(running)
 
 
 def render_result(stage: str, result: StageResult, console: Console | None = None) -> None:

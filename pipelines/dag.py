@@ -1,0 +1,127 @@
+"""The experiment as a DAG of stage nodes, built from the composed config.
+
+    world -> probe (phase 0: the source drafter on the new target, as it is)
+    vocab_map (new target's data) -> compare (source map vs new map) -> remap -> features -> finetune -> evaluate
+    features -> baseline_finetune (init scratch) -> baseline_evaluate           (phase 1 and its baseline)
+
+A node is a stage module run on a stage config. Inputs are written into that config as references: `@NODE` is the
+node's output folder, `@NODE/sub/path` a path inside it (`@world/target_b`). The references give the edges, and
+the cache key replaces them with the upstream keys, so a node's key is known before anything runs.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, OmegaConf
+
+from stages.common.errors import RegraftError
+
+REFERENCE = re.compile(r"^@(?P<node>[a-z_]+)(?:/(?P<sub>.*))?$")
+PHASES = {"world": "setup", "probe": "0", "vocab_map": "prep", "compare": "prep", "remap": "prep",
+          "features": "prep", "finetune": "1", "evaluate": "1", "baseline_finetune": "baseline",
+          "baseline_evaluate": "baseline"}
+
+
+@dataclass
+class Node:
+    name: str  # unique in the DAG (finetune, baseline_finetune, ...)
+    stage: str  # the module under stages/
+    config: DictConfig  # the stage's config; inputs as @references, `out` filled in at dispatch
+
+    @property
+    def phase(self) -> str:
+        return PHASES[self.name]
+
+    @property
+    def upstream(self) -> list[str]:
+        return sorted({match["node"] for match in references(self.config)})
+
+
+def references(config: Any) -> Iterator[re.Match]:
+    """Every @reference in a config's string values."""
+    container = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
+    stack = [container]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str) and (match := REFERENCE.match(value)):
+            yield match
+
+
+def substitute(config: DictConfig, replace) -> DictConfig:
+    """A copy of `config` with each @reference replaced by `replace(node, sub)`."""
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: walk(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [walk(item) for item in value]
+        if isinstance(value, str) and (match := REFERENCE.match(value)):
+            return replace(match["node"], match["sub"])
+        return value
+
+    return OmegaConf.create(walk(OmegaConf.to_container(config, resolve=True)))
+
+
+def wired(group: DictConfig, **inputs: Any) -> DictConfig:
+    """A stage's config with the pipeline's wiring, except where the user set a value."""
+    config = OmegaConf.create(OmegaConf.to_container(group, resolve=True, enum_to_str=True))
+    for key, value in inputs.items():
+        if OmegaConf.is_missing(config, key) or config.get(key) is None:
+            config[key] = value
+    return config
+
+
+def finetune_drafter(init: str, source: str) -> str | None:
+    return {"remap": "@remap", "as_is": source, "scratch": None}[init]
+
+
+def build_nodes(cfg: DictConfig) -> list[Node]:
+    """The pipeline's nodes in a topological order, only those `cfg.pipeline` switches on."""
+    target, source, data = cfg.target.path, cfg.source.path, cfg.data.train
+    nodes = [Node("world", "world", OmegaConf.create(OmegaConf.to_container(cfg.world, resolve=True, enum_to_str=True)))]
+    if cfg.pipeline.probe:
+        nodes.append(Node("probe", "probe", wired(cfg.probe, target=target, drafter=source)))
+    nodes.append(Node("vocab_map", "vocab_map", wired(cfg.vocab_map, tokenizer=target, data=data)))
+    nodes.append(Node("compare", "compare", wired(cfg.compare, a=source, b="@vocab_map")))
+    nodes.append(Node("remap", "remap", wired(cfg.remap, drafter=source, vocab_map="@vocab_map", verifier=target)))
+    training = {"data": data}
+    if cfg.pipeline.offline:
+        nodes.append(Node("features", "features", wired(cfg.features, target=target, data=data, drafter=source)))
+        training = {"features": "@features", "data": None}
+    runs = [("finetune", "evaluate", cfg.finetune.init)]
+    if cfg.pipeline.baseline:
+        runs.append(("baseline_finetune", "baseline_evaluate", "scratch"))
+    for train_name, eval_name, init in runs:
+        finetune = wired(cfg.finetune, target=target, vocab_map="@vocab_map",
+                         drafter=finetune_drafter(init, source), **training)
+        finetune.init = init
+        if init == "scratch":
+            finetune.drafter = None
+        if cfg.pipeline.offline:
+            finetune.data = None
+        nodes.append(Node(train_name, "finetune", finetune))
+        if cfg.pipeline.evaluate:
+            nodes.append(Node(eval_name, "evaluate", wired(cfg.evaluate, target=target, drafter=f"@{train_name}")))
+    used = {match["node"] for node in nodes for match in references(node.config)}
+    return [node for node in nodes if node.name != "world" or "world" in used]
+
+
+def check_graph(nodes: list[Node]) -> None:
+    seen: set[str] = set()
+    for node in nodes:
+        for upstream in node.upstream:
+            if upstream not in seen:
+                raise RegraftError(None, f"{node.name} refers to @{upstream}, which is not an earlier stage",
+                                   "check the @references in the pipeline config")
+        seen.add(node.name)
+
+
+def resolve(config: DictConfig, outputs: dict[str, Path]) -> DictConfig:
+    """References replaced by the upstream nodes' output folders."""
+    return substitute(config, lambda node, sub: str(outputs[node] / sub) if sub else str(outputs[node]))

@@ -1,0 +1,108 @@
+"""Run a DAG of stage nodes: reuse complete outputs, dispatch the rest, track every node.
+
+Keys are computed for the whole DAG before anything runs. A node whose output is complete is a cache hit and
+never dispatched; the others go to the launcher when their inputs exist (local, inline) or at once with
+dependencies (Slurm). The first failure cancels what is still running and ends the pipeline with one line.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+from rich.console import Console
+
+from pipelines.cache import is_complete, keys_for, output_dir
+from pipelines.dag import Node, check_graph, resolve
+from pipelines.dispatch import Launcher
+from pipelines.jobs import StageOutcome, outcome_from_manifest
+from pipelines.tracking import Tracker
+from stages.common.errors import RegraftError
+
+
+@dataclass
+class NodeResult:
+    name: str
+    stage: str
+    phase: str
+    key: str
+    out: str
+    hit: bool
+    seconds: float  # the stage's own work (0 for a hit)
+    wall_seconds: float  # from dispatch to collection: the stage plus what it cost to run it as a job
+    metrics: dict[str, Any] = field(default_factory=dict)
+    headline: str = ""
+    job_id: str = ""
+
+
+@dataclass
+class Running:
+    node: Node
+    job: Any
+    run_id: str
+    started: float
+
+
+def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tracker | None,
+            console: Console, poll_s: float = 0.2) -> dict[str, NodeResult]:
+    check_graph(nodes)
+    keys = keys_for(nodes)
+    outputs = {node.name: output_dir(cache_root, node.stage, keys[node.name]) for node in nodes}
+    results: dict[str, NodeResult] = {}
+    running: dict[str, Running] = {}
+    waiting = list(nodes)
+
+    def record(node: Node, outcome: StageOutcome, wall: float, run_id: str | None, job_id: str = "") -> None:
+        results[node.name] = NodeResult(node.name, node.stage, node.phase, keys[node.name], outcome.out, outcome.hit,
+                                        outcome.seconds, wall, outcome.metrics, outcome.headline, job_id)
+        if tracker is not None and run_id is not None:
+            tracker.finish_stage(run_id, outcome, job_id=job_id)
+        state = "cached" if outcome.hit else f"done in {outcome.seconds:.1f} s"
+        console.print(f"[green]{node.name:>18}[/green] {state}: {outcome.headline}", highlight=False)
+
+    def dispatchable(node: Node) -> bool:
+        if launcher.chains:
+            return all(up in results or up in running for up in node.upstream)
+        return all(up in results for up in node.upstream)
+
+    try:
+        while waiting or running:
+            for node in [n for n in waiting if dispatchable(n)]:
+                waiting.remove(node)
+                config = resolve(node.config, outputs)
+                config.out = str(outputs[node.name])
+                hit = is_complete(outputs[node.name])
+                run_id = tracker.start_stage(node, keys[node.name], config, hit) if tracker else None
+                if hit:
+                    record(node, outcome_from_manifest(outputs[node.name], True, 0.0), 0.0, run_id)
+                    continue
+                console.print(f"[cyan]{node.name:>18}[/cyan] dispatched ({keys[node.name]})", highlight=False)
+                after = [running[up].job for up in node.upstream if up in running]
+                running[node.name] = Running(node, launcher.submit(node, config, after), run_id, time.perf_counter())
+            for name, item in list(running.items()):
+                if launcher.finished(item.job):
+                    del running[name]
+                    try:
+                        outcome = launcher.outcome(item.job)
+                    except RegraftError as exc:
+                        if tracker is not None and item.run_id:
+                            tracker.finish_stage(item.run_id, None, str(exc), item.job.job_id,
+                                                 launcher.log_of(item.job))
+                        raise
+                    record(item.node, outcome, time.perf_counter() - item.started, item.run_id, item.job.job_id)
+            if running:
+                time.sleep(poll_s)
+    except BaseException:
+        for item in running.values():
+            launcher.cancel(item.job)
+            if tracker is not None and item.run_id:
+                tracker.finish_stage(item.run_id, None, "cancelled: another stage failed", item.job.job_id)
+        raise
+    return {node.name: results[node.name] for node in nodes}
+
+
+def complete_outputs(nodes: list[Node], cache_root: Path) -> dict[str, bool]:
+    keys = keys_for(nodes)
+    return {node.name: is_complete(output_dir(cache_root, node.stage, keys[node.name])) for node in nodes}
