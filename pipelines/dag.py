@@ -42,7 +42,8 @@ class Node:
 
 def references(config: Any) -> Iterator[re.Match]:
     """Every @reference in a config's string values."""
-    container = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
+    container = OmegaConf.to_container(config, resolve=True, enum_to_str=True) if isinstance(config, DictConfig) \
+        else config
     stack = [container]
     while stack:
         value = stack.pop()
@@ -65,7 +66,7 @@ def substitute(config: DictConfig, replace) -> DictConfig:
             return replace(match["node"], match["sub"])
         return value
 
-    return OmegaConf.create(walk(OmegaConf.to_container(config, resolve=True)))
+    return OmegaConf.create(walk(OmegaConf.to_container(config, resolve=True, enum_to_str=True)))
 
 
 def wired(group: DictConfig, **inputs: Any) -> DictConfig:
@@ -94,7 +95,7 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
     if cfg.pipeline.offline:
         nodes.append(Node("features", "features", wired(cfg.features, target=target, data=data, drafter=source)))
         training = {"features": "@features", "data": None}
-    runs = [("finetune", "evaluate", cfg.finetune.init)]
+    runs = [("finetune", "evaluate", OmegaConf.to_container(cfg.finetune, enum_to_str=True)["init"])]
     if cfg.pipeline.baseline:
         runs.append(("baseline_finetune", "baseline_evaluate", "scratch"))
     for train_name, eval_name, init in runs:

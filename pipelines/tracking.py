@@ -115,7 +115,7 @@ class Tracker:
         tags = {"mlflow.parentRunId": self.parent_id, "stage": node.stage, "node": node.name, "phase": node.phase,
                 "cache_key": key, "cache_hit": str(hit).lower(), "git_commit": self.commit}
         run = self.client.create_run(self.experiment_id, run_name=node.name, tags=tags)
-        self.log_params(run.info.run_id, OmegaConf.to_container(config, resolve=True))
+        self.log_params(run.info.run_id, OmegaConf.to_container(config, resolve=True, enum_to_str=True))
         return run.info.run_id
 
     def finish_stage(self, run_id: str, outcome: StageOutcome | None, error: str | None = None,
