@@ -136,19 +136,38 @@ def preflight(cfg: DictConfig, drafter: Eagle3Drafter, own_map: VocabMap | None,
               target: TargetModel, batch: dict[str, torch.Tensor]) -> guard.Preflight:
     """Step-0 numbers of the init on one batch, beside the same drafter remapped; the guard then decides."""
     if own_map is None:
+        with torch.no_grad():
+            fresh = evaluate_batch(drafter, target, batch, cfg.ttt_steps)
         return guard.Preflight(training_map.draft_vocab_size, training_map.draft_vocab_size,
-                               training_map.draft_vocab_size)
+                               training_map.draft_vocab_size, step0_acc=fresh["full_acc_0"],
+                               step0_loss=fresh["loss_0"])
     checked = guard.compare_with_training_map(own_map, training_map)
     trained_on_new_map = guard.remapped_in_memory(drafter, own_map, training_map)
     with torch.no_grad():
         as_given = evaluate_batch(drafter, target, batch, cfg.ttt_steps)
         remapped = evaluate_batch(trained_on_new_map, target, batch, cfg.ttt_steps)
+        as_is = remap_source_as_is(cfg, training_map, target, batch)
     result = guard.Preflight(checked.positions_agree, checked.draft_vocab_size, checked.shared_ids,
                              step0_acc=as_given["full_acc_0"], step0_loss=as_given["loss_0"],
-                             remapped_step0_acc=remapped["full_acc_0"])
+                             remapped_step0_acc=remapped["full_acc_0"],
+                             as_is_step0_acc=as_is.get("full_acc_0"), as_is_step0_loss=as_is.get("loss_0"))
     if cfg.guard.enabled:
         guard.check(result, Init(cfg.init).value, cfg.guard.max_misaligned, cfg.guard.consent, cfg.drafter)
     return result
+
+
+def remap_source_as_is(cfg: DictConfig, training_map: VocabMap, target: TargetModel,
+                       batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """init=remap from a remap output: the step-0 numbers its source drafter would have had without the remap."""
+    manifest = read_manifest(cfg.drafter) if Init(cfg.init) is Init.remap else None
+    source = (manifest or {}).get("config", {}).get("drafter")
+    if not source or not Path(source).exists():
+        return {}
+    unmapped = Eagle3Drafter.from_checkpoint(source, dtype=torch.float32)
+    if unmapped.config.draft_vocab_size != training_map.draft_vocab_size:
+        return {}
+    unmapped.set_vocab_map(training_map)
+    return evaluate_batch(unmapped, target, batch, cfg.ttt_steps)
 
 
 def evaluate_batch(drafter: Eagle3Drafter, target: TargetModel, batch: dict[str, torch.Tensor],
@@ -255,6 +274,15 @@ class MetricsLog:
         elif enabled and resume_step == 0:
             path.write_text("")
 
+    def lines(self) -> int:
+        return len(self.path.read_text().splitlines()) if self.enabled and self.path.exists() else 0
+
+    def keep(self, count: int) -> None:
+        """Only the first `count` lines: those written before the checkpoint a run resumes from (a validation
+        logged after it, at the same step, is run and logged again)."""
+        if self.enabled and self.path.exists():
+            self.path.write_text("".join(line + "\n" for line in self.path.read_text().splitlines()[:count]))
+
     def write(self, step: int, split_name: str, metrics: dict[str, float]) -> None:
         if self.enabled:
             with self.path.open("a") as lines:
@@ -288,6 +316,15 @@ class StopSignal:
     def _request(self, signum, frame) -> None:
         self.requested = True
 
+    def agreed(self, world: int, device: torch.device) -> bool:
+        """Whether any rank was asked to stop: a signal reaches the ranks at different steps, and every rank must
+        stop at the same one (saving a checkpoint is collective)."""
+        if world == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
 
 class Preempted(RegraftError):
     pass
@@ -301,6 +338,7 @@ class Progress:
     epoch: int = 0
     batch: int = 0  # micro-batches of this epoch already consumed
     best_val_loss: float = float("inf")
+    logged: Optional[int] = None  # lines of metrics.jsonl when the checkpoint was saved (rank 0's)
 
 
 def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_data: dict, val_data: dict,
@@ -321,11 +359,17 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
     if cfg.resume and (checkpoints / "latest").exists():
         _, client_state = engine.load_checkpoint(str(checkpoints))
         progress = Progress(**client_state["progress"])
+        if progress.logged is not None:
+            log.keep(progress.logged)
+        if rank == 0:
+            print(f"finetune: resumed at step {progress.step} of {total_steps} from {checkpoints}", file=sys.stderr,
+                  flush=True)
     best = torch.load(best_file, weights_only=True) if cfg.resume and best_file.exists() else \
         {"state": snapshot(engine.module), "val": {}}
     stop = StopSignal()
 
     def save_checkpoint() -> None:
+        progress.logged = log.lines()
         engine.save_checkpoint(str(checkpoints), tag=f"step{progress.step}", client_state={"progress": vars(progress)})
 
     bar = tqdm(total=total_steps, initial=progress.step, desc="finetune", disable=rank != 0, mininterval=1.0)
@@ -348,9 +392,10 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                                                    "lr": scheduler.get_last_lr()[0],
                                                    "grad_norm": float(engine.get_global_grad_norm() or 0.0),
                                                    "tokens_per_s": tokens * world / max(elapsed, 1e-9)})
-            if progress.step % cfg.checkpoint_every == 0 or stop.requested:
+            stopping = stop.agreed(world, engine.device)
+            if progress.step % cfg.checkpoint_every == 0 or stopping:
                 save_checkpoint()
-            if stop.requested:
+            if stopping:
                 raise Preempted(checkpoints, f"stopped by a signal at step {progress.step} of {total_steps}; "
                                 "checkpoint saved", "rerun the same command to resume (resume=true)")
             if progress.step >= total_steps:

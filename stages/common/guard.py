@@ -25,6 +25,8 @@ class Preflight:
     step0_acc: float | None = None
     step0_loss: float | None = None
     remapped_step0_acc: float | None = None
+    as_is_step0_acc: float | None = None  # init=remap: the source drafter before remap, on the same batch
+    as_is_step0_loss: float | None = None
 
     @property
     def misaligned(self) -> float:
@@ -33,7 +35,8 @@ class Preflight:
     def metrics(self) -> dict[str, float]:
         values = {"preflight_positions_agree": self.positions_agree, "preflight_misaligned": self.misaligned,
                   "preflight_shared_ids": self.shared_ids, "preflight_step0_acc": self.step0_acc,
-                  "preflight_step0_loss": self.step0_loss, "preflight_remapped_step0_acc": self.remapped_step0_acc}
+                  "preflight_step0_loss": self.step0_loss, "preflight_remapped_step0_acc": self.remapped_step0_acc,
+                  "preflight_as_is_step0_acc": self.as_is_step0_acc, "preflight_as_is_step0_loss": self.as_is_step0_loss}
         return {k: float(v) for k, v in values.items() if v is not None}
 
 
