@@ -7,6 +7,7 @@ Parameter names match the sglang layout, so `state_dict()` is a checkpoint.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,10 +37,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+@functools.lru_cache(maxsize=16)
+def inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
 def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding in the Llama (rotate-half) convention; x is [B, heads, T, head_dim]."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim))
+    inv_freq = inverse_frequencies(x.shape[-1], theta, x.device)
     freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, T, head_dim/2]
     angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, head_dim]
     return (x.float() * angles.cos() + rotate_half(x.float()) * angles.sin()).to(x.dtype)
@@ -49,7 +54,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of T new queries over `past` cached plus T new keys (grouped-query heads allowed)."""
     T = q.shape[2]
-    if attention_mask is None:
+    if attention_mask is None and T > 1:  # one query may attend every cached key: no mask to build
         attention_mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=q.shape[1] != k.shape[1])
 

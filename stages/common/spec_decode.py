@@ -12,16 +12,41 @@ cache exactly once, paired with its successor.
 accept_len = emitted tokens / target forwards, counting the prefill (it emits the first token): a drafter that is
 never right gives exactly 1.0, a perfect one `num_steps + 1`. SGLang's `completion_tokens / spec_verify_ct` counts
 decode-time verifies only, so it reads slightly higher on short answers.
+
+Speed on CPU (bench/spec_decode.py): batch-1 decoding of a small target is per-call overhead, not arithmetic, so
+both decoders run under `torch.inference_mode()` with `DECODE_THREADS` intra-op threads (one: splitting matmuls of
+a few rows over threads only adds synchronisation, and when other jobs share the cores each parallel region waits
+for a descheduled thread: forwards 5-40x slower with two threads on a loaded 2-core machine).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from stages.common.eagle3 import DraftOutput, Eagle3Drafter, KVCache
 from stages.common.target import TargetModel
+
+
+DECODE_THREADS: int | None = 1  # intra-op threads while decoding on CPU; None leaves torch's setting
+
+
+@contextlib.contextmanager
+def decoding(model: torch.nn.Module) -> Iterator[None]:
+    """Inference mode, and `DECODE_THREADS` intra-op threads while a CPU model decodes (restored afterwards)."""
+    threads = torch.get_num_threads()
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if DECODE_THREADS and on_cpu and threads != DECODE_THREADS:
+        torch.set_num_threads(DECODE_THREADS)
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 @dataclass
@@ -65,19 +90,19 @@ def clip(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int
     return tokens[:max_new_tokens]
 
 
-@torch.no_grad()
 def greedy_generate(target: TargetModel, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> Generation:
     """Plain greedy decoding with the target's KV cache: the reference and the tok/s baseline."""
     from transformers import DynamicCache
 
     start, cache, tokens = time.perf_counter(), DynamicCache(), []
-    _, logits = target_forward(target, prompt, cache)
-    forwards = 1
-    tokens.append(int(logits[-1].argmax()))
-    while not finished(tokens, max_new_tokens, stop_ids):
-        _, logits = target_forward(target, tokens[-1:], cache)
-        forwards += 1
+    with decoding(target.model):
+        _, logits = target_forward(target, prompt, cache)
+        forwards = 1
         tokens.append(int(logits[-1].argmax()))
+        while not finished(tokens, max_new_tokens, stop_ids):
+            _, logits = target_forward(target, tokens[-1:], cache)
+            forwards += 1
+            tokens.append(int(logits[-1].argmax()))
     return Generation(tokens, forwards, seconds=time.perf_counter() - start)
 
 
@@ -106,31 +131,31 @@ class SpeculativeDecoder:
         cache.truncate(verified_length)  # drafts enter the cache only once the target has verified them
         return drafts
 
-    @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> Generation:
         from transformers import DynamicCache
 
         start, target_cache, drafter_cache = time.perf_counter(), DynamicCache(), KVCache()
-        aux, logits = target_forward(self.target, prompt, target_cache)
-        generation = Generation(tokens=[int(logits[-1].argmax())], target_forwards=1)
-        fed = prompt[1:] + generation.tokens  # successors of the tokens whose aux states are in `aux`
-        while not finished(generation.tokens, max_new_tokens, stop_ids):
-            drafts = self.draft(drafter_cache, aux, fed)
-            seen = target_cache.get_seq_length()
-            aux, logits = target_forward(self.target, generation.tokens[-1:] + drafts, target_cache)
-            generation.target_forwards += 1
-            choices = logits.argmax(-1).tolist()
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
-                accepted += 1
-            generation.accepted.append(accepted)
-            new_tokens = drafts[:accepted] + [choices[accepted]]
-            crop(target_cache, seen + accepted + 1)
-            aux = aux[: accepted + 1]
-            fed = new_tokens
-            generation.tokens += new_tokens
-            if not stop_ids.isdisjoint(new_tokens):
-                break
+        with decoding(self.target.model):
+            aux, logits = target_forward(self.target, prompt, target_cache)
+            generation = Generation(tokens=[int(logits[-1].argmax())], target_forwards=1)
+            fed = prompt[1:] + generation.tokens  # successors of the tokens whose aux states are in `aux`
+            while not finished(generation.tokens, max_new_tokens, stop_ids):
+                drafts = self.draft(drafter_cache, aux, fed)
+                seen = target_cache.get_seq_length()
+                aux, logits = target_forward(self.target, generation.tokens[-1:] + drafts, target_cache)
+                generation.target_forwards += 1
+                choices = logits.argmax(-1).tolist()
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
+                    accepted += 1
+                generation.accepted.append(accepted)
+                new_tokens = drafts[:accepted] + [choices[accepted]]
+                crop(target_cache, seen + accepted + 1)
+                aux = aux[: accepted + 1]
+                fed = new_tokens
+                generation.tokens += new_tokens
+                if not stop_ids.isdisjoint(new_tokens):
+                    break
         generation.tokens = clip(generation.tokens, max_new_tokens, stop_ids)
         generation.seconds = time.perf_counter() - start
         return generation

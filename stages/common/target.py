@@ -43,6 +43,9 @@ class TargetModel:
             raise RegraftError(None, f"aux layers {aux_layer_ids} ({convention}) are outside the target's "
                                f"{len(layers)} layers", "check the drafter's eagle_aux_hidden_state_layer_ids")
         self._captured: dict[int | str, torch.Tensor] = {}
+        # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes in 5.40).
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters \
+            else "past_key_values"
         for layer_id in set(self.output_layer_ids):
             layers[layer_id].register_forward_hook(self._capture(layer_id))
         final_norm = getattr(self.model.get_decoder(), "norm", None)
@@ -63,11 +66,6 @@ class TargetModel:
             self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
 
         return hook
-
-    @property
-    def _cache_argument(self) -> str:
-        # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes in 5.40).
-        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     @property
     def num_layers(self) -> int:
