@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,3 +53,42 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
     tmp.replace(path)
     return path
+
+
+SKIPPED_PACKAGES = ("test", "tests", "idlelib", "turtledemo", "site-packages", "dist-packages", "__pycache__")
+
+
+def stdlib_source_files() -> list[Path]:
+    """The stdlib's .py files, packages included (no tests, no IDLE), in a stable order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in SKIPPED_PACKAGES]  # never walk site-packages
+        files.extend(Path(folder) / name for name in names if name.endswith(".py"))
+    return sorted(files)
+
+
+def file_docstrings(path: Path, min_chars: int = 40, max_chars: int = 1500) -> list[Docstring]:
+    """Docstrings of one stdlib file's functions and classes (nested ones too), in source order; `module` is the
+    dotted name, so the domain follows the top-level package."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    module = ".".join(part for part in path.relative_to(root).with_suffix("").parts if part != "__init__")
+    found, pending = [], list(reversed(tree.body))
+    while pending:  # expressions skipped: a def or class never sits inside one
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            text = ast.get_docstring(node)
+            if text and min_chars <= len(text) <= max_chars:
+                found.append(Docstring(module, node.name, text))
+        pending.extend(reversed([child for child in ast.iter_child_nodes(node) if not isinstance(child, ast.expr)]))
+    return found
+
+
+def stdlib_docstrings_with_packages(min_chars: int = 40, max_chars: int = 1500) -> Iterator[Docstring]:
+    """Like `stdlib_docstrings`, also inside the stdlib's packages (email, json, xml, ...): about twice as many."""
+    for path in stdlib_source_files():
+        yield from file_docstrings(path, min_chars, max_chars)

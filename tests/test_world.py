@@ -1,0 +1,144 @@
+"""The world stage at seconds scale (TINY_WORLD_OVERRIDES): real formats, B is A trained further, data_b is B's own
+answers, held-out probes, A's drafter carries A's map (whose ordering differs from B's), determinism."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from safetensors.torch import load_file
+
+from stages import world
+from stages.common.artifacts import read_manifest
+from stages.common.chat import load_tokenizer, read_conversations
+from stages.common.cli import CONF_DIR, compose_stage
+from stages.common.eagle3 import Eagle3Drafter
+from stages.common.toy import generate_answers
+from stages.compare import compare_vocab_maps
+
+FILES = ["tokenizer", "data_a.jsonl", "target_a", "target_b", "data_b.jsonl", "prompts_b.jsonl", "drafter_a",
+         "manifest.json"]
+
+
+def build(out: Path, *extra: str):
+    return world.run(compose_stage("world", [*world.TINY_WORLD_OVERRIDES, f"out={out}", *extra]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with world.torch_threads(1):  # as the tiny world builds; two threads crawl on a busy 2-core machine
+        yield
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("world") / "w").out
+
+
+@pytest.fixture(scope="module")
+def cfg(built):
+    return read_manifest(built)["config"]
+
+
+def rows(path: Path) -> list[list[dict]]:
+    return list(read_conversations(path))
+
+
+def test_every_output_exists_in_the_real_formats(built):
+    from transformers import AutoModelForCausalLM
+
+    assert sorted(p.name for p in built.iterdir()) == sorted(FILES)
+    for name in ("target_a", "target_b"):
+        assert AutoModelForCausalLM.from_pretrained(built / name).config.model_type == "llama"
+        assert load_tokenizer(built / name).chat_template
+    assert load_tokenizer(built / "tokenizer").chat_template
+    for name in ("data_a.jsonl", "data_b.jsonl"):
+        assert all([m["role"] for m in chat] == ["user", "assistant"] for chat in rows(built / name))
+    drafter = Eagle3Drafter.from_checkpoint(built / "drafter_a")
+    assert json.loads((built / "drafter_a" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert drafter.vocab_map().draft_vocab_size == 128
+    manifest = read_manifest(built)
+    for key in ("target_a_eval_loss_a", "target_b_eval_loss_b", "target_b_greedy_top1", "drafter_val_loss",
+                "drafter_val_full_acc_0", "drafter_val_sim_accept_len", "seconds_total"):
+        assert key in manifest["metrics"], key
+    assert manifest["metrics"]["drafter_val_full_acc_0"] > 1 / 128 * 4  # well above chance
+    assert manifest["metrics"]["drafter_val_sim_accept_len"] > 1.0
+
+
+def test_drafter_carries_as_map_built_from_data_a(built, cfg):
+    tokenizer = load_tokenizer(built / "tokenizer")
+    map_a = world.vocab_map_of(tokenizer, built / "data_a.jsonl", cfg["draft_vocab_size"])
+    own = Eagle3Drafter.from_checkpoint(built / "drafter_a").vocab_map()
+    assert torch.equal(own.d2t, map_a.d2t) and torch.equal(own.t2d, map_a.t2d)
+
+
+def test_drafter_map_ordering_differs_from_the_one_built_on_data_b(built, cfg):
+    tokenizer = load_tokenizer(built / "tokenizer")
+    own = Eagle3Drafter.from_checkpoint(built / "drafter_a").vocab_map()
+    comparison = compare_vocab_maps(own, world.vocab_map_of(tokenizer, built / "data_b.jsonl", cfg["draft_vocab_size"]))
+    assert comparison.shared_ids > cfg["draft_vocab_size"] // 4
+    assert comparison.positions_agree < comparison.shared_ids // 4
+
+
+def test_target_b_is_target_a_trained_further(built):
+    config_a, config_b = (json.loads((built / name / "config.json").read_text()) for name in ("target_a", "target_b"))
+    assert config_a == config_b
+    weights_a, weights_b = (load_file(built / name / "model.safetensors") for name in ("target_a", "target_b"))
+    assert weights_a.keys() == weights_b.keys()
+    assert all(not torch.equal(weights_a[k], weights_b[k]) for k in weights_a if k.endswith("proj.weight"))
+
+
+def test_data_b_holds_target_bs_own_answers(built, cfg):
+    """Batch i of the regeneration is sampled with seed + i: re-running the last batch alone reproduces it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(built / "target_b").eval()
+    tokenizer = load_tokenizer(built / "target_b")
+    chats = rows(built / "data_b.jsonl")
+    assert len(chats) == cfg["regen_prompts"]
+    last = (len(chats) - 1) // cfg["gen_batch_size"]
+    batch = chats[last * cfg["gen_batch_size"]:]
+    again = generate_answers(model, tokenizer, [chat[:1] for chat in batch], cfg["max_new_tokens"],
+                             cfg["gen_batch_size"], cfg["regen_temperature"], seed=cfg["seed"] + last)
+    assert again.texts == [chat[1]["content"] for chat in batch]
+
+
+def test_greedy_answers_do_not_depend_on_the_batch(built, cfg):
+    """Left padding changes nothing: each prompt alone gets the answer it got among the others."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(built / "target_b").eval()
+    tokenizer = load_tokenizer(built / "target_b")
+    prompts = [chat[:1] for chat in rows(built / "prompts_b.jsonl")][:4]
+    together = generate_answers(model, tokenizer, prompts, cfg["max_new_tokens"], batch_size=4)
+    alone = [generate_answers(model, tokenizer, [p], cfg["max_new_tokens"], batch_size=1).texts[0] for p in prompts]
+    assert together.texts == alone and len(set(map(len, prompts))) == 1
+
+
+def test_probe_prompts_are_held_out_user_turns(built, cfg):
+    probes = rows(built / "prompts_b.jsonl")
+    assert len(probes) == cfg["probe_prompts"]
+    assert all(m["role"] == "user" for chat in probes for m in chat)
+    assert sum(len(chat) == 2 for chat in probes) == cfg["probe_multi_turn"]
+    assert all(len(chat) in (1, 2) for chat in probes)
+    trained_prompts = {chat[0]["content"] for chat in rows(built / "data_b.jsonl")}
+    trained_prompts |= {chat[0]["content"] for chat in rows(built / "data_a.jsonl")}
+    assert not trained_prompts & {m["content"] for chat in probes for m in chat}
+
+
+def test_the_same_seed_builds_the_same_world(built, tmp_path):
+    again = build(tmp_path / "again").out
+    assert (again / "data_b.jsonl").read_bytes() == (built / "data_b.jsonl").read_bytes()
+    assert (again / "prompts_b.jsonl").read_bytes() == (built / "prompts_b.jsonl").read_bytes()
+    for name in ("target_a/model.safetensors", "target_b/model.safetensors", "drafter_a/model.safetensors"):
+        first, second = load_file(built / name), load_file(again / name)
+        assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), name
+
+
+def test_finetune_config_composes_inside_a_running_hydra_app():
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        assert compose_stage("finetune", ["init=scratch"]).init.value == "scratch"
+        assert GlobalHydra.instance().is_initialized()  # the running app's Hydra is back
