@@ -7,7 +7,9 @@ queue); Slurm jobs are all submitted at once and wait in Slurm's queue on their 
 """
 from __future__ import annotations
 
+import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,13 +115,38 @@ class LocalLauncher(SubmititLauncher):
 
 
 class SlurmLauncher(SubmititLauncher):
+    """One Slurm job per stage through submitit, each submitted with `afterok` on its upstream jobs.
+
+    A stage with `tasks_per_node` (x `nodes`) > 1 runs as that many ranks (`pipelines.jobs.run_ranks`); the rank
+    count changes the global batch, so it must equal the stage's `nproc`, which is part of its cache key.
+    Resumable stages (finetune) are submitted `--requeue` and checkpointable (`pipelines.jobs.Resumable`).
+    Every submission is recorded in `<run>/jobs/submitted.jsonl` (node, job id, upstream ids, Slurm's
+    `Dependency=` read back right after sbatch).
+    """
+
     chains = True
 
-    def executor(self, node: Node, after: list[Any]):
+    def __init__(self, cfg: DictConfig, folder: Path):
+        super().__init__(cfg, folder)
+        self.watching: set[str] = set()  # job ids not yet seen finished
+        self.known: dict[str, Any] = {}  # one squeue answer for all of them, refreshed once per poll
+        self.polled = 0.0
+
+    def resources(self, node: Node) -> dict[str, Any]:
+        """As the base class, but interpolations (per_stage's `${finetune.nproc}`) are resolved against the
+        root config before merging, where they still can be."""
+        overrides = self.cfg.per_stage.get(node.name)
+        merged = OmegaConf.merge(OmegaConf.to_container(self.cfg.resources, resolve=True),
+                                 OmegaConf.to_container(overrides, resolve=True) if overrides else {})
+        return OmegaConf.to_container(merged)
+
+    def executor(self, node: Node, after: list[Any], resources: dict[str, Any] | None = None):
         import submitit
 
-        resources = self.resources(node)
-        executor = submitit.AutoExecutor(folder=self.folder / "%j", cluster="slurm")
+        resources = dict(resources or self.resources(node))
+        executor = submitit.AutoExecutor(folder=self.folder / "%j", cluster="slurm",
+                                         slurm_python=self.cfg.get("python") or None,
+                                         slurm_max_num_timeout=self.cfg.get("max_num_timeout", 3))
         extra = dict(resources.pop("additional_parameters", None) or {})
         if after:
             extra["dependency"] = "afterok:" + ":".join(job.job_id for job in after)
@@ -127,15 +154,49 @@ class SlurmLauncher(SubmititLauncher):
                                    **{key: value for key, value in resources.items() if value is not None})
         return executor
 
-    def finished(self, job) -> bool:
-        from pipelines.slurm_jobs import ACTIVE, job_state
+    def submit(self, node: Node, config: DictConfig, after: list[Any]):
+        from pipelines.jobs import Resumable, resumable, run_ranks
+        from pipelines.slurm_jobs import dependency_of
 
-        return job_state(job) not in ACTIVE
+        resources = self.resources(node)
+        tasks = int(resources.get("tasks_per_node") or 1) * int(resources.get("nodes") or 1)
+        plain = OmegaConf.to_container(config)
+        if tasks > 1 and "nproc" not in plain:
+            raise RegraftError(None, f"{node.name} runs as one task, launcher.per_stage gives it {tasks}",
+                               f"set launcher.per_stage.{node.name}.tasks_per_node=1")
+        if tasks > 1 and plain["nproc"] != tasks:
+            raise RegraftError(None, f"{node.name} would run as {tasks} Slurm tasks (ranks) but {node.stage}.nproc="
+                               f"{plain['nproc']}; the rank count sets the global batch and belongs in the cache key",
+                               f"set {node.stage}.nproc={tasks}")
+        function = run_ranks if tasks > 1 else run_stage
+        if resumable(plain):
+            function = Resumable(function)
+            resources["additional_parameters"] = {"requeue": True, **(resources.get("additional_parameters") or {})}
+        job = self.executor(node, after, resources).submit(function, node.stage, plain)
+        self.watching.add(job.job_id)
+        record = {"node": node.name, "stage": node.stage, "job_id": job.job_id, "tasks": tasks,
+                  "after": [upstream.job_id for upstream in after], "dependency": dependency_of(job.job_id)}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with (self.folder / "submitted.jsonl").open("a") as lines:
+            lines.write(json.dumps(record) + "\n")
+        return job
+
+    def finished(self, job) -> bool:
+        from pipelines.slurm_jobs import ACTIVE, _squeue, job_info
+
+        if time.monotonic() - self.polled > self.cfg.poll_s / 2:
+            self.known = _squeue(sorted(self.watching)) if self.watching else {}
+            self.polled = time.monotonic()
+        done = job_info(job, self.known).state not in ACTIVE
+        if done:
+            self.watching.discard(job.job_id)
+        return done
 
     def outcome(self, job) -> StageOutcome:
         from pipelines.slurm_jobs import wait_for
 
-        return wait_for([job])[0]
+        result = wait_for([job])[0]
+        return result[0] if isinstance(result, list) else result  # a multi-task job: rank 0's
 
     def cancel(self, job) -> None:
         import subprocess

@@ -3,11 +3,21 @@
 Submitit pickles `run_stage` by reference, so a job needs nothing but this repository on its path. The job checks
 the cache again under the lock: a sweep member that started the same stage first leaves a complete output, and
 this one reports a hit instead of running it twice.
+
+On Slurm two more shapes exist (pipelines/dispatch.py picks them):
+- `run_ranks`: one task of a multi-task job (`tasks_per_node` > 1) is one rank of a stage that exposes
+  `init_distributed(launched, seed)` and `run_rank(cfg, launched)` (finetune). Only rank 0 takes the lock and
+  looks at the cache, then tells the other ranks over a gloo group; only rank 0 writes the output.
+- `Resumable`: wraps either for a stage that continues from its own checkpoints (`resume: true`). Submitit calls
+  its `checkpoint()` on the time-limit warning (USR2) and requeues the same call; a stage stopped by SIGTERM (a
+  preemption or `scontrol requeue`) leaves no result file, so Slurm's requeue runs it again and it resumes.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +28,7 @@ from omegaconf import OmegaConf
 
 from pipelines.cache import is_complete, stage_lock, sweep_leftovers
 from stages.common.artifacts import read_manifest
+from stages.common.errors import RegraftError
 
 
 @dataclass
@@ -54,3 +65,79 @@ def run_stage(stage: str, config: dict[str, Any]) -> StageOutcome:
         result = module.run(cfg)
         seconds = time.perf_counter() - start
     return StageOutcome(str(out), False, dict(result.metrics), result.headline, seconds)
+
+
+# A submitter's leftovers: sbatch exports the submitting environment into the job, and a rank must take its own.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_ranks(stage: str, config: dict[str, Any]) -> StageOutcome:
+    """One task of a multi-task Slurm job as one rank of the stage; every task returns the same outcome.
+
+    Rank 0 holds the stage's lock for the whole run (the job's claim against other jobs); the other ranks never
+    touch it, so no rank waits on a lock another rank of its own job holds. The hit-or-run decision is rank 0's,
+    broadcast once the process group exists, so every rank takes the same branch. While rank 0 waits for a lock
+    another job holds, the other ranks wait in that broadcast (torch's process-group timeout, 30 min by default).
+    """
+    import submitit
+    import torch
+
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in RANK_VARIABLES:
+        os.environ.pop(name, None)
+    # MASTER_PORT from the job id: the same on every task (and on a requeued run of the job)
+    ranks = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    if os.environ.get("SLURM_CPUS_PER_TASK"):  # no oversubscription where Slurm does not bind tasks to cores
+        torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
+    module, cfg = stage_config(stage, config)
+    if not hasattr(module, "run_rank"):
+        raise RegraftError(None, f"stage {stage} runs as one task, this job has {ranks.world_size}",
+                           f"drop tasks_per_node for {stage} from launcher.per_stage")
+    module.init_distributed(True, cfg.seed)
+    decide = torch.distributed.new_group(backend="gloo")  # CPU objects, whatever the training backend
+    out, leader = Path(config["out"]), ranks.rank == 0
+    with stage_lock(out) if leader else contextlib.nullcontext():
+        hit = [is_complete(out) if leader else None]
+        if leader and not hit[0]:
+            sweep_leftovers(out)
+        torch.distributed.broadcast_object_list(hit, src=0, group=decide)
+        if hit[0]:
+            return outcome_from_manifest(out, hit=True, seconds=0.0)
+        start = time.perf_counter()
+        result = module.run_rank(cfg, launched=True)
+        seconds = time.perf_counter() - start
+    return StageOutcome(str(out), False, dict(result.metrics), result.headline, seconds)
+
+
+def resumable(config: dict[str, Any]) -> bool:
+    """A stage that continues from its own checkpoints when run again (finetune with resume=true)."""
+    return config.get("resume") is True
+
+
+class Resumable:
+    """A Slurm job function for a resumable stage: worth requeueing when the job is stopped before the end.
+
+    `checkpoint` is submitit's hook, called on the time-limit warning (`--signal=USR2@signal_delay_s`): it
+    resubmits the same call and submitit requeues the job (at most `max_num_timeout` times for time limits); the
+    stage then resumes from its last checkpoint, losing at most `checkpoint_every` steps. A stage stopped by
+    SIGTERM (preemption, `scontrol requeue`, `scancel`) checkpoints and raises its `Preempted`; that becomes an
+    exit without a result file, so a requeued job is not mistaken for a failed one, and a cancelled job reads
+    CANCELLED.
+    """
+
+    def __init__(self, function):
+        self.function = function
+
+    def __call__(self, stage: str, config: dict[str, Any]) -> StageOutcome:
+        stopped = getattr(importlib.import_module(f"stages.{stage}"), "Preempted", ())
+        try:
+            return self.function(stage, config)
+        except stopped as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+
+    def checkpoint(self, stage: str, config: dict[str, Any]):
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self, stage, config)

@@ -47,6 +47,26 @@ def check_given_inputs(cfg: DictConfig) -> None:
                                f"point {group}.{key}= at it, or use the built-in example ({group}=toy)")
 
 
+def threads_per_stage(threads: int | None, max_parallel: int | None) -> int | None:
+    if threads or not max_parallel:
+        return threads
+    return max(1, (os.cpu_count() or 1) // max_parallel)
+
+
+def limit_threads(threads: int | None) -> None:
+    """Intra-op threads of every stage: jobs inherit OMP_NUM_THREADS; inline stages use this process's setting.
+
+    Stages running side by side on a few cores must not each start a thread per core: oversubscribed torch
+    parallel regions wait on descheduled threads and run many times slower.
+    """
+    if not threads:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def invocation_name(run_dir: Path) -> str:
     return "/".join(run_dir.parts[-2:]) if run_dir.parent.name not in ("runs",) else run_dir.name
 
@@ -65,7 +85,9 @@ def main(cfg: DictConfig) -> None:
             tracker = Tracker(cfg.tracking, invocation_name(run_dir),
                               tags={"overrides": " ".join(overrides) or "(defaults)", "run_dir": str(run_dir)})
         launcher = make_launcher(cfg.launcher, run_dir / "jobs")
-        results = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s)
+        limit_threads(threads_per_stage(cfg.launcher.get("threads"), cfg.launcher.get("max_parallel")))
+        results = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
+                          cfg.launcher.get("max_parallel"))
     except RegraftError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         if tracker is not None:

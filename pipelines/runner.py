@@ -46,7 +46,7 @@ class Running:
 
 
 def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tracker | None,
-            console: Console, poll_s: float = 0.2) -> dict[str, NodeResult]:
+            console: Console, poll_s: float = 0.2, max_parallel: int | None = None) -> dict[str, NodeResult]:
     check_graph(nodes)
     keys = keys_for(nodes)
     outputs = {node.name: output_dir(cache_root, node.stage, keys[node.name]) for node in nodes}
@@ -63,13 +63,17 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
         console.print(f"[green]{node.name:>18}[/green] {state}: {outcome.headline}", highlight=False)
 
     def dispatchable(node: Node) -> bool:
+        if max_parallel and len(running) >= max_parallel:
+            return False
         if launcher.chains:
             return all(up in results or up in running for up in node.upstream)
         return all(up in results for up in node.upstream)
 
     try:
         while waiting or running:
-            for node in [n for n in waiting if dispatchable(n)]:
+            for node in list(waiting):
+                if not dispatchable(node):
+                    continue
                 waiting.remove(node)
                 config = resolve(node.config, outputs)
                 config.out = str(outputs[node.name])

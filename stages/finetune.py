@@ -369,8 +369,15 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
     stop = StopSignal()
 
     def save_checkpoint() -> None:
+        """`latest` is written once every rank has written its part (DeepSpeed's own is written by rank 0 before
+        the others may be done), so a job killed while saving resumes from the checkpoint before."""
         progress.logged = log.lines()
-        engine.save_checkpoint(str(checkpoints), tag=f"step{progress.step}", client_state={"progress": vars(progress)})
+        tag = f"step{progress.step}"
+        engine.save_checkpoint(str(checkpoints), tag=tag, client_state={"progress": vars(progress)},
+                               save_latest=False)  # returns after a barrier
+        if rank == 0:
+            (checkpoints / "latest.tmp").write_text(tag)
+            os.replace(checkpoints / "latest.tmp", checkpoints / "latest")
 
     bar = tqdm(total=total_steps, initial=progress.step, desc="finetune", disable=rank != 0, mininterval=1.0)
     started, tokens = time.perf_counter(), 0

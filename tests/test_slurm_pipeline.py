@@ -1,0 +1,268 @@
+"""The pipeline on a real single-node Slurm cluster (tests/slurm_cluster.py): `regraft launcher=slurm`.
+
+One Slurm job per stage chained with afterok, a sweep that submits its shared stages once, a 2-task (2-rank)
+fine-tune equal to one rank with gradient accumulation 2, a fine-tune requeued twice (submitit's USR2 warning,
+then `scontrol requeue`) that resumes from its checkpoints with every step once in MLflow, and a stage job killed
+with scancel that ends the pipeline with one line. Skipped where the cluster cannot come up (needs root).
+    .venv/bin/python -m pytest -q tests/test_slurm_pipeline.py -m "not slow"   # 4-5 min on 2 busy cores
+    .venv/bin/python -m pytest -q tests/test_slurm_pipeline.py                # + the requeue test, about 2 min
+
+The world and the features (no Slurm edge depends on them) are built first in one plain process, into the same
+`paths.outputs`, so the Slurm runs start at vocab_map and hit the cache for those two.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import pipelines.regraft  # noqa: F401  (registers every schema, for compose)
+from pipelines.dag import Node
+from pipelines.dispatch import SlurmLauncher
+from pipelines.jobs import RANK_VARIABLES
+from pipelines.slurm_jobs import job_state
+from stages.common.cli import CONF_DIR
+from stages.common.errors import RegraftError
+from stages.world import TINY_WORLD_OVERRIDES
+from tests.slurm_cluster import slurm_cluster  # noqa: F401
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+# a tiny world and tiny stages; every fine-tune here uses gradient accumulation 2 unless a test says otherwise
+BASE = [*(f"world.{o}" for o in TINY_WORLD_OVERRIDES), "vocab_map.draft_vocab_size=128", "finetune.max_steps=6",
+        "finetune.micro_batch_size=4", "finetune.ttt_steps=3", "finetune.max_length=64", "probe.num_prompts=3",
+        "probe.max_new_tokens=16", "features.batch_size=8", "pipeline.probe=false", "pipeline.baseline=false",
+        "finetune.log_every=1", "finetune.deepspeed.gradient_accumulation_steps=2"]
+SWEEP_LRS = ("3e-3", "1e-2")
+
+
+def slurm_overrides(cluster) -> list[str]:
+    return ["launcher=slurm", f"launcher.resources.slurm_partition={cluster.partition}",
+            "launcher.resources.cpus_per_task=1", "launcher.resources.timeout_min=20",
+            "launcher.per_stage.finetune.cpus_per_task=1", "launcher.per_stage.finetune.gpus_per_node=0",
+            "launcher.per_stage.finetune.timeout_min=20", "launcher.poll_s=1"]
+
+
+def job_env() -> dict[str, str]:
+    """This process's environment (SLURM_CONF included), without rank variables an in-process test left."""
+    return {key: value for key, value in os.environ.items() if key not in RANK_VARIABLES}
+
+
+def regraft_argv(outputs: Path, cluster, name: str, *overrides: str, multirun: bool = False) -> list[str]:
+    where = f"hydra.sweep.dir={outputs}/sweeps/{name}" if multirun else f"hydra.run.dir={outputs}/runs/{name}"
+    return [sys.executable, "-m", "pipelines.regraft", *(["-m"] if multirun else []), f"paths.outputs={outputs}",
+            where, *BASE, *slurm_overrides(cluster), *overrides]
+
+
+def regraft(outputs: Path, cluster, name: str, *overrides: str, multirun: bool = False) -> None:
+    done = subprocess.run(regraft_argv(outputs, cluster, name, *overrides, multirun=multirun), cwd=ROOT,
+                          env=job_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+
+
+def submitted(run_dir: Path) -> dict[str, dict]:
+    """The launcher's record of its submissions, by node."""
+    lines = (run_dir / "jobs" / "submitted.jsonl").read_text().splitlines()
+    return {record["node"]: record for record in map(json.loads, lines)}
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())["stages"]
+
+
+def job_folders(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "jobs").iterdir() if p.is_dir())
+
+
+def wait_until(what: str, ready, timeout_s: float = 300.0, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while not (value := ready()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+    return value
+
+
+PREBUILD = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from hydra import compose, initialize_config_dir
+    from rich.console import Console
+    import pipelines.regraft  # registers every schema
+    from pipelines.dag import build_nodes
+    from pipelines.dispatch import InlineLauncher
+    from pipelines.runner import run_dag
+    from stages.common.cli import CONF_DIR
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=sys.argv[1:])
+    nodes = [node for node in build_nodes(cfg) if node.name in ("world", "features")]
+    run_dag(nodes, Path(cfg.paths.cache), InlineLauncher(cfg.launcher, Path(cfg.paths.outputs) / "prebuild"), None,
+            Console(quiet=True))
+""")
+
+
+@pytest.fixture(scope="module")
+def sweep(slurm_cluster, tmp_path_factory):  # noqa: F811
+    """world + features in one plain process, then `regraft -m finetune.lr=A,B` on Slurm (member runs 0 and 1)."""
+    outputs = tmp_path_factory.mktemp("slurm_pipeline")
+    done = subprocess.run([sys.executable, "-c", PREBUILD, f"paths.outputs={outputs}", *BASE], cwd=ROOT,
+                          env=job_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    regraft(outputs, slurm_cluster, "lr", f"finetune.lr={','.join(SWEEP_LRS)}", multirun=True)
+    return outputs, [outputs / "sweeps" / "lr" / str(k) for k in range(len(SWEEP_LRS))]
+
+
+def test_stages_run_as_slurm_jobs_chained_by_afterok(sweep):
+    _, (first, _) = sweep
+    jobs, stages = submitted(first), summary(first)
+    upstream = {"vocab_map": [], "compare": ["vocab_map"], "remap": ["vocab_map"],
+                "finetune": ["vocab_map", "remap"], "evaluate": ["finetune"]}  # world, features: cache hits
+    assert set(jobs) == set(upstream)
+    for node, ups in upstream.items():
+        want = sorted(jobs[up]["job_id"] for up in ups)
+        assert sorted(jobs[node]["after"]) == want, node
+        # what Slurm holds (scontrol show job, read right after sbatch): "afterok:12(unfulfilled),afterok:14(...)"
+        assert sorted(re.findall(r"afterok:(\d+)", jobs[node]["dependency"])) == want, jobs[node]["dependency"]
+        assert stages[node]["job_id"] == jobs[node]["job_id"] and not stages[node]["hit"]
+    assert stages["world"]["hit"] and stages["features"]["hit"]
+    assert stages["evaluate"]["metrics"]["accept_len"] >= 1
+
+
+def test_sweep_submits_shared_stages_once(sweep):
+    _, (first, second) = sweep
+    assert set(submitted(second)) == {"finetune", "evaluate"}
+    assert len(job_folders(first)) == 5 and len(job_folders(second)) == 2  # one submitit folder per Slurm job
+    assert not set(job_folders(first)) & set(job_folders(second))
+    stages = summary(second)
+    assert all(stages[node]["hit"] for node in ("world", "vocab_map", "compare", "remap", "features"))
+    assert stages["finetune"]["out"] != summary(first)["finetune"]["out"]
+
+
+def test_two_task_finetune_matches_one_rank_with_accumulation(sweep, slurm_cluster):  # noqa: F811
+    outputs, (first, _) = sweep
+    regraft(outputs, slurm_cluster, "two_ranks", f"finetune.lr={SWEEP_LRS[0]}", "finetune.nproc=2",
+            "finetune.deepspeed.gradient_accumulation_steps=1", "pipeline.evaluate=false")
+    run = outputs / "runs" / "two_ranks"
+    jobs = submitted(run)
+    assert set(jobs) == {"finetune"} and jobs["finetune"]["tasks"] == 2
+    folder = run / "jobs" / jobs["finetune"]["job_id"]
+    assert sorted(p.name for p in folder.glob("*_result.pkl")) == [f"{folder.name}_{k}_result.pkl" for k in (0, 1)]
+    two, one = summary(run)["finetune"], summary(first)["finetune"]  # one rank, accumulation 2, same global batch
+    assert two["metrics"]["val_loss"] == pytest.approx(one["metrics"]["val_loss"], rel=1e-4)
+    steps = [json.loads(line) for line in (Path(two["out"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps if m["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def run_in_background(outputs: Path, cluster, name: str, *overrides: str) -> tuple[subprocess.Popen, Path]:
+    log = outputs / f"{name}.log"
+    process = subprocess.Popen(regraft_argv(outputs, cluster, name, *overrides), cwd=ROOT, env=job_env(),
+                               stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+    return process, log
+
+
+def finetune_job(run: Path) -> str:
+    return wait_until("the finetune job's submission", lambda: (run / "jobs" / "submitted.jsonl").exists()
+                      and submitted(run).get("finetune", {}).get("job_id"))
+
+
+def requeue_now(job_id: str) -> None:
+    """A requeued job waits BeginTime (Slurm's credential lifetime, 120 s); once its old processes are gone and
+    their credential is at least a second old, it may start at once."""
+    wait_until(f"job {job_id} pending again", lambda: job_state(job_id) == "PENDING", timeout_s=60)
+    time.sleep(5)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, capture_output=True)
+
+
+def train_steps(metrics: Path) -> list[int]:
+    if not metrics.exists():
+        return []
+    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [m["step"] for m in lines if m["split"] == "train"]
+
+
+@pytest.mark.slow
+def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster):  # noqa: F811
+    from mlflow.tracking import MlflowClient
+
+    outputs, _ = sweep
+    before = set((outputs / "cache" / "finetune").glob("*.checkpoints"))
+    process, log = run_in_background(outputs, slurm_cluster, "requeue", "finetune.lr=5e-3", "finetune.max_steps=null",
+                                     "finetune.deepspeed.gradient_accumulation_steps=1", "finetune.checkpoint_every=1",
+                                     "pipeline.evaluate=false")
+    try:
+        run = outputs / "runs" / "requeue"
+        job_id = finetune_job(run)
+        work = wait_until("the finetune's work folder", lambda: next(
+            iter(set((outputs / "cache" / "finetune").glob("*.checkpoints")) - before), None))
+        job_log = run / "jobs" / job_id / f"{job_id}_0_log.err"
+        # 1. submitit's time-limit/preemption warning: checkpoint() resubmits the call, submitit requeues the job
+        wait_until("a first training step", lambda: train_steps(work / "metrics.jsonl"))
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, capture_output=True)
+        requeue_now(job_id)
+        resumed = wait_until("the first resume", lambda: re.findall(r"resumed at step (\d+)", job_log.read_text()))
+        first = int(resumed[0])
+        # 2. Slurm's own requeue (as preemption with PreemptMode=REQUEUE): SIGTERM, a checkpoint, no result file
+        wait_until("two more steps", lambda: max(train_steps(work / "metrics.jsonl"), default=0) >= first + 2)
+        subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True)
+        requeue_now(job_id)
+        assert process.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    resumes = [int(step) for step in re.findall(r"resumed at step (\d+)", job_log.read_text())]
+    assert len(resumes) == 2 and 1 <= resumes[0] < resumes[1], resumes
+    assert job_log.read_text().count("DUE TO JOB REQUEUE") >= 2
+    stages = summary(run)
+    total = 18  # 36 training chats / micro-batches of 4, 2 epochs
+    assert train_steps(Path(stages["finetune"]["out"]) / "metrics.jsonl") == list(range(1, total + 1))
+    client = MlflowClient(f"sqlite:///{outputs}/mlflow.db")
+    experiment = client.get_experiment_by_name("regraft")
+    [child] = client.search_runs([experiment.experiment_id], f"tags.job_id = '{job_id}'")
+    for key, steps in (("train.loss", list(range(1, total + 1))), ("val.loss", [total // 2, total])):
+        history = client.get_metric_history(child.info.run_id, key)
+        assert sorted(m.step for m in history) == steps, key  # each step once: none repeated, none missing
+
+
+def test_cancelled_stage_job_ends_the_pipeline_with_one_line(sweep, slurm_cluster):  # noqa: F811
+    outputs, _ = sweep
+    process, log = run_in_background(outputs, slurm_cluster, "cancel", "finetune.lr=2e-3")
+    try:
+        run = outputs / "runs" / "cancel"
+        job_id = finetune_job(run)
+        wait_until("the finetune job running", lambda: job_state(job_id) == "RUNNING")
+        evaluate = wait_until("evaluate's submission", lambda: submitted(run).get("evaluate", {}).get("job_id"))
+        subprocess.run(["scancel", job_id], check=True, capture_output=True)
+        assert process.wait(timeout=120) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+    errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"Slurm job {job_id} ended CANCELLED" in errors[0], log.read_text()[-3000:]
+    assert wait_until("evaluate cancelled", lambda: job_state(evaluate) == "CANCELLED", timeout_s=30)
+
+
+def test_ranks_must_match_the_stages_nproc():
+    """The rank count sets the global batch, so it comes from the stage config (its cache key), not the launcher."""
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        root = compose("config", overrides=["launcher=slurm", "finetune.nproc=4"])
+    resources = SlurmLauncher(root.launcher, Path("unused")).resources(Node("finetune", "finetune", root.finetune))
+    assert resources["tasks_per_node"] == resources["gpus_per_node"] == 4
+    cfg = OmegaConf.create({"name": "slurm", "poll_s": 1.0, "resources": {"tasks_per_node": 1},
+                            "per_stage": {"finetune": {"tasks_per_node": 2}}})
+    launcher = SlurmLauncher(cfg, Path("unused"))
+    node = Node("finetune", "finetune", OmegaConf.create({"nproc": 1}))
+    with pytest.raises(RegraftError, match=r"finetune would run as 2 Slurm tasks .* \(fix: set finetune.nproc=2\)"):
+        launcher.submit(node, OmegaConf.create({"nproc": 1, "out": "x"}), [])
+    vocab = Node("vocab_map", "vocab_map", OmegaConf.create({}))
+    launcher.cfg.per_stage["vocab_map"] = {"tasks_per_node": 2}
+    with pytest.raises(RegraftError, match=r"fix: set launcher.per_stage.vocab_map.tasks_per_node=1"):
+        launcher.submit(vocab, OmegaConf.create({"out": "x"}), [])
