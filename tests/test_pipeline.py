@@ -1,53 +1,163 @@
-"""The built-in example end to end: world -> vocab_map -> compare -> remap, as `make run` runs it (small sizes)."""
+"""The whole pipeline on a tiny built-in world through submitit's local executor: every stage once, the cache,
+sweeps, MLflow runs checked with MlflowClient, and recovery from a run killed while holding a stage's lock."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from stages.common.checkpoint import DrafterCheckpoint
-from stages.common.vocab import load_vocab_map
+from stages.world import TINY_WORLD_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["world.max_docs=400", "world.hidden_size=32", "world.tokenizer_vocab_size=1024",
-         "world.draft_vocab_size=256", "vocab_map.draft_vocab_size=256"]
+TINY = [f"world.{override}" for override in TINY_WORLD_OVERRIDES] + [
+    "vocab_map.draft_vocab_size=128", "features.batch_size=8", "finetune.max_steps=4", "finetune.micro_batch_size=4",
+    "finetune.ttt_steps=3", "finetune.max_length=64", "finetune.log_every=1", "probe.num_prompts=2",
+    "probe.max_new_tokens=12"]
+NODES = ["world", "probe", "vocab_map", "compare", "remap", "features", "finetune", "evaluate",
+         "baseline_finetune", "baseline_evaluate"]
+
+pytestmark = pytest.mark.slow
 
 
-def regraft(outputs: Path, *overrides: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "pipelines.regraft", f"paths.outputs={outputs}", *SMALL, *overrides],
-                          cwd=ROOT, capture_output=True, text=True)
+def regraft(outputs: Path, *overrides: str, multirun: bool = False) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pipelines.regraft", *(["-m"] if multirun else []), f"paths.outputs={outputs}",
+               *TINY, *overrides]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def last_summary(outputs: Path) -> dict:
+    return json.loads((sorted((outputs / "runs").iterdir())[-1] / "summary.json").read_text())
+
+
+def ran(summary: dict) -> set[str]:
+    return {name for name, stage in summary["stages"].items() if not stage["hit"]}
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def first_run(outputs) -> dict:
+    done = regraft(outputs)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "mlflow ui --backend-store-uri" in done.stdout
+    return last_summary(outputs)
+
+
+def mlflow_client(outputs: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(f"sqlite:///{outputs}/mlflow.db")
+
+
+def child_runs(client, parent_id: str) -> dict:
+    experiment = client.get_experiment_by_name("regraft")
+    runs = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
+    return {run.data.tags["node"]: run for run in runs}
+
+
+def parent_runs(client) -> list:
+    experiment = client.get_experiment_by_name("regraft")
+    return client.search_runs([experiment.experiment_id], "tags.kind = 'pipeline'", order_by=["start_time ASC"])
+
+
+def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, outputs):
+    stages = first_run["stages"]
+    assert list(stages) == NODES and ran(first_run) == set(NODES)
+    for name, stage in stages.items():
+        manifest = json.loads((Path(stage["out"]) / "manifest.json").read_text())
+        assert manifest["complete"] and len(stage["key"]) == 16, name
+        assert Path(stage["out"]).parent.name == stage["stage"]
+    assert stages["evaluate"]["metrics"]["lossless"] == 1 and stages["probe"]["metrics"]["lossless"] == 1
+    assert 1.0 <= stages["evaluate"]["metrics"]["accept_len"] <= 4.0
+    assert stages["remap"]["metrics"]["rows_remapped"] == stages["compare"]["metrics"]["shared_ids"]
+    assert list((sorted((outputs / "runs").iterdir())[-1] / "jobs").iterdir())  # submitit job folders and logs
+    numbers = first_run["numbers"]
+    assert {"phase0_accept_len", "phase1_accept_len", "baseline_accept_len", "as_is_step0_loss",
+            "finetune_step0_loss"} <= set(numbers)
+
+    client = mlflow_client(outputs)
+    parent = parent_runs(client)[-1]
+    assert parent.info.status == "FINISHED" and parent.data.metrics["phase1_accept_len"] == numbers["phase1_accept_len"]
+    children = child_runs(client, parent.info.run_id)
+    assert set(children) == set(NODES)
+    finetune = children["finetune"]
+    assert finetune.data.params["lr"] == "0.003" and finetune.data.params["init"] == "remap"
+    assert finetune.data.params["deepspeed.zero_stage"] == "0"
+    assert finetune.data.tags["cache_hit"] == "false" and finetune.data.tags["cache_key"] == stages["finetune"]["key"]
+    assert finetune.data.tags["stage"] == "finetune" and finetune.data.tags["phase"] == "1"
+    history = client.get_metric_history(finetune.info.run_id, "train.loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    assert finetune.data.metrics["val_full_acc_0"] == stages["finetune"]["metrics"]["val_full_acc_0"]
+    assert "sha256.drafter/model.safetensors" in finetune.data.tags
+    artifacts = {item.path for item in client.list_artifacts(children["evaluate"].info.run_id)}
+    assert {"manifest.json", "per_prompt.csv", "report.json", "acceptance.png"} <= artifacts
+    assert {item.path for item in client.list_artifacts(parent.info.run_id)} >= {"summary.json", "accept_len.png",
+                                                                                  "per_step_accuracy.png"}
+
+
+def test_a_second_run_runs_nothing_yet_tracks_every_stage(first_run, outputs):
+    done = regraft(outputs)
     assert done.returncode == 0, done.stderr[-3000:]
-    runs = sorted((outputs / "runs").iterdir())
-    return json.loads((runs[-1] / "summary.json").read_text())
+    again = last_summary(outputs)
+    assert ran(again) == set()
+    assert again["numbers"] == first_run["numbers"]
+    client = mlflow_client(outputs)
+    children = child_runs(client, parent_runs(client)[-1].info.run_id)
+    assert set(children) == set(NODES) and {run.data.tags["cache_hit"] for run in children.values()} == {"true"}
+    assert children["finetune"].data.metrics["val_loss"] == first_run["stages"]["finetune"]["metrics"]["val_loss"]
 
 
-@pytest.mark.slow
-def test_example_pipeline_end_to_end(tmp_path):
-    summary = regraft(tmp_path)
-    stages = summary["stages"]
-    assert list(stages) == ["world", "vocab_map", "compare", "remap"]
-    new_map = load_vocab_map(stages["vocab_map"]["out"])
-    source_map = DrafterCheckpoint.open(summary["config"]["source"]["path"]).vocab_map()
-    assert new_map.draft_vocab_size == source_map.draft_vocab_size == 256
-    compare, remap = stages["compare"]["metrics"], stages["remap"]["metrics"]
-    # domains A and B share most ids but few positions: the situation remap exists for
-    assert compare["shared_ids"] > 128 and compare["positions_agree"] < 64
-    assert remap["rows_remapped"] == compare["shared_ids"]
-    assert remap["rows_remapped"] + remap["rows_from_fallback"] == 256
-    remapped = DrafterCheckpoint.open(stages["remap"]["out"])
-    assert remapped.vocab_map().target_ids.tolist() == new_map.target_ids.tolist()
-
-    again = regraft(tmp_path, "remap.fallback=mean")
-    assert again["stages"]["world"]["headline"] == "reused"
-    assert again["stages"]["remap"]["metrics"]["rows_remapped"] == remap["rows_remapped"]
+def test_a_changed_option_reruns_exactly_the_stages_downstream(first_run, outputs):
+    done = regraft(outputs, "remap.fallback=mean")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran(last_summary(outputs)) == {"remap", "finetune", "evaluate"}
 
 
-def test_bad_source_path_fails_with_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "pipelines.regraft", f"paths.outputs={tmp_path}", *SMALL,
-                           f"source.path={tmp_path / 'missing_drafter'}", "source.builtin=false"],
-                          cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 1
-    assert "missing_drafter" in done.stdout + done.stderr and "error" in done.stdout + done.stderr
+def test_a_sweep_runs_shared_stages_once(first_run, outputs):
+    sweep = ["finetune.lr=1e-3,2e-3", "finetune.init=remap,scratch"]
+    done = regraft(outputs, *sweep, multirun=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep_dir = sorted((outputs / "sweeps").iterdir())[-1]
+    members = json.loads((sweep_dir / "summary.json").read_text())["members"]
+    assert len(members) == 4
+    executed = [name for member in members for name in member["ran"]]
+    # lr 1e-3 and 2e-3 x (remap, scratch): four finetunes and their evaluations. The scratch finetune of an lr is
+    # also that lr's baseline, so it runs once, as the remap member's baseline; everything upstream is cached.
+    assert sorted(executed) == sorted(["finetune", "evaluate", "baseline_finetune", "baseline_evaluate"] * 2)
+    again = regraft(outputs, *sweep, multirun=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    members = json.loads((sorted((outputs / "sweeps").iterdir())[-1] / "summary.json").read_text())["members"]
+    assert [member["ran"] for member in members] == [[]] * 4
+
+
+def test_a_run_killed_while_holding_a_stage_lock_does_not_block_the_next(first_run, outputs):
+    compare_out = Path(first_run["stages"]["compare"]["out"])
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from pipelines.cache import stage_lock
+        out = Path({str(compare_out)!r})
+        lock = stage_lock(out)
+        lock.acquire()
+        (out.parent / ("." + out.name + ".tmp-deadbeef")).mkdir()
+        print("locked", flush=True)
+        time.sleep(600)
+    """)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    shutil.rmtree(compare_out)  # the output the killed run was about to replace
+    done = regraft(outputs)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ran(last_summary(outputs)) == {"compare"}
+    assert not list(compare_out.parent.glob(f".{compare_out.name}.tmp-*"))  # the dead run's temp folder is gone
