@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
 from rich.console import Console
 
 from pipelines.cache import is_complete, keys_for, output_dir

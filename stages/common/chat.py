@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from stages.common.errors import RegraftError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def read_conversations(path: Path) -> Iterator[list[dict]]:
@@ -98,7 +101,7 @@ def encode_chats(tokenizer, batch: list[list[dict]], max_length: int | None = No
     return out
 
 
-def tokenized_chats(tokenizer, path: Path, max_length: int, batch_size: int = 256) -> dict[str, "torch.Tensor"]:
+def tokenized_chats(tokenizer, path: Path, max_length: int, batch_size: int = 256) -> dict[str, torch.Tensor]:
     """Every conversation of a JSONL file as fixed-length rows: input_ids, attention_mask and loss_mask [N, L].
 
     Rows are right-padded to `max_length` so every micro-batch has the same shape, which makes per-position means
