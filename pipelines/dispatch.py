@@ -45,9 +45,12 @@ class Launcher:
         self.cfg, self.folder = cfg, folder
 
     def resources(self, node: Node) -> dict[str, Any]:
-        """Per-stage overrides from `launcher.per_stage.<node name>` over `launcher.resources`."""
-        merged = OmegaConf.merge(self.cfg.resources, self.cfg.per_stage.get(node.name) or {})
-        return OmegaConf.to_container(merged, resolve=True)
+        """`launcher.per_stage.<node name>` over `launcher.resources`; both are resolved first, while their
+        interpolations (slurm's `${finetune.nproc}`) can still reach the root config."""
+        overrides = self.cfg.per_stage.get(node.name)
+        return OmegaConf.to_container(OmegaConf.merge(
+            OmegaConf.to_container(self.cfg.resources, resolve=True),
+            OmegaConf.to_container(overrides, resolve=True) if overrides else {}))
 
     def submit(self, node: Node, config: DictConfig, after: list[Any]) -> Any:
         raise NotImplementedError
@@ -131,14 +134,6 @@ class SlurmLauncher(SubmititLauncher):
         self.watching: set[str] = set()  # job ids not yet seen finished
         self.known: dict[str, Any] = {}  # one squeue answer for all of them, refreshed once per poll
         self.polled = 0.0
-
-    def resources(self, node: Node) -> dict[str, Any]:
-        """As the base class, but interpolations (per_stage's `${finetune.nproc}`) are resolved against the
-        root config before merging, where they still can be."""
-        overrides = self.cfg.per_stage.get(node.name)
-        merged = OmegaConf.merge(OmegaConf.to_container(self.cfg.resources, resolve=True),
-                                 OmegaConf.to_container(overrides, resolve=True) if overrides else {})
-        return OmegaConf.to_container(merged)
 
     def executor(self, node: Node, after: list[Any], resources: dict[str, Any] | None = None):
         import submitit

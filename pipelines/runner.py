@@ -105,7 +105,3 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
         raise
     return {node.name: results[node.name] for node in nodes}
 
-
-def complete_outputs(nodes: list[Node], cache_root: Path) -> dict[str, bool]:
-    keys = keys_for(nodes)
-    return {node.name: is_complete(output_dir(cache_root, node.stage, keys[node.name])) for node in nodes}

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from stages.common.checkpoint import OUTPUT_OF_LAYER, DrafterCheckpoint, convert
 from stages.common.cli import StageResult, register_schema, stage_main
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
+from stages.common.runtime import free_port
 from stages.common.target import TargetHead, TargetModel
 from stages.common.toy import drafter_config_for
 from stages.common.ttt import TTTStats, ttt_forward, ttt_metrics
@@ -196,12 +196,6 @@ def training_rows(cfg: DictConfig, drafter: Eagle3Drafter) -> tuple[TargetModel 
 
 
 # ---------------------------------------------------------------- DeepSpeed
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def init_distributed(launched: bool, seed: int) -> None:

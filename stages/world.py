@@ -30,6 +30,7 @@ from omegaconf import MISSING, DictConfig
 
 from stages.common.artifacts import staged_output
 from stages.common.chat import load_tokenizer, read_conversations
+from stages.common.runtime import torch_threads
 from stages.common.cli import StageResult, compose_stage, register_schema, stage_main
 from stages.common.corpus import Docstring, as_conversation, file_docstrings, stdlib_source_files, write_jsonl
 from stages.common.errors import RegraftError
@@ -146,17 +147,6 @@ class Phases:
         start = time.perf_counter()
         yield
         self.seconds[name] = round(time.perf_counter() - start, 2)
-
-
-@contextlib.contextmanager
-def torch_threads(count: int):
-    before = torch.get_num_threads()
-    if count > 0:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def train_drafter(cfg: DictConfig, root: Path, map_a: VocabMap, train_chats: int) -> dict[str, float]:

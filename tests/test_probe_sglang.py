@@ -12,8 +12,9 @@ import pytest
 
 from stages.common.checkpoint import INPUT_OF_LAYER, OUTPUT_OF_LAYER, DrafterConfig, render_config
 from stages.common.errors import RegraftError
+from stages.common.runtime import free_port
 from stages.common.sglang_backend import (SglangConfig, SglangServer, accept_length, aux_convention_warning,
-                                          engine_reading, free_port, generate, run_sglang, server_command)
+                                          engine_reading, generate, run_sglang, server_command)
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"

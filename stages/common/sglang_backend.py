@@ -18,7 +18,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -29,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 from stages.common.checkpoint import CONVENTIONS, INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
 from stages.common.errors import RegraftError
+from stages.common.runtime import free_port
 
 POLL_S = 0.2  # /health poll interval while the server starts
 LOG_TAIL_LINES = 8
@@ -60,12 +60,6 @@ def server_command(cfg: SglangConfig, target: str, drafter: str, num_steps: int,
     if cfg.mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
     return command + list(cfg.extra_args)
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _flag(command: list[str], name: str) -> str:

@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 
 from stages.common.eagle3 import DraftOutput, Eagle3Drafter, KVCache
+from stages.common.runtime import torch_threads
 from stages.common.target import TargetModel
 
 
@@ -37,16 +38,9 @@ DECODE_THREADS: int | None = 1  # intra-op threads while decoding on CPU; None l
 @contextlib.contextmanager
 def decoding(model: torch.nn.Module) -> Iterator[None]:
     """Inference mode, and `DECODE_THREADS` intra-op threads while a CPU model decodes (restored afterwards)."""
-    threads = torch.get_num_threads()
     on_cpu = next(model.parameters()).device.type == "cpu"
-    if DECODE_THREADS and on_cpu and threads != DECODE_THREADS:
-        torch.set_num_threads(DECODE_THREADS)
-    try:
-        with torch.inference_mode():
-            yield
-    finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+    with torch_threads(DECODE_THREADS if on_cpu else None), torch.inference_mode():
+        yield
 
 
 @dataclass
