@@ -28,12 +28,19 @@ from rich.console import Console
 import pipelines.schema  # noqa: F401  (registers the pipeline-level schemas)
 from pipelines.dag import REFERENCE, build_nodes
 from pipelines.dispatch import make_launcher
-from pipelines.runner import run_dag
+from pipelines.runner import pending, run_dag
 from pipelines.summary import headline_numbers, plot, stage_table, story_table, write_summary
 from pipelines.tracking import Tracker
 from stages import compare, evaluate, features, finetune, probe, remap, vocab_map, world  # noqa: F401  (schemas)
 from stages.common.cli import CONF_DIR
 from stages.common.errors import RegraftError
+from stages.world import TINY_WORLD_OVERRIDES
+
+# The whole pipeline at seconds scale, for tests and benchmarks: `regraft <these>` takes about a minute on 2 cores.
+TINY_OVERRIDES = [f"world.{override}" for override in TINY_WORLD_OVERRIDES] + [
+    "vocab_map.draft_vocab_size=128", "features.batch_size=8", "finetune.max_steps=4", "finetune.micro_batch_size=4",
+    "finetune.ttt_steps=3", "finetune.max_length=64", "finetune.log_every=1", "probe.num_prompts=2",
+    "probe.max_new_tokens=12"]
 
 
 def check_given_inputs(cfg: DictConfig) -> None:
@@ -81,11 +88,12 @@ def main(cfg: DictConfig) -> None:
     try:
         check_given_inputs(cfg)
         nodes = build_nodes(cfg)
+        limit_threads(threads_per_stage(cfg.launcher.get("threads"), cfg.launcher.get("max_parallel")))
+        launcher = make_launcher(cfg.launcher, run_dir / "jobs")
+        launcher.prepare(pending(nodes, Path(cfg.paths.cache)))  # a warm interpreter imports while MLflow starts
         if cfg.tracking.enabled:
             tracker = Tracker(cfg.tracking, invocation_name(run_dir),
                               tags={"overrides": " ".join(overrides) or "(defaults)", "run_dir": str(run_dir)})
-        launcher = make_launcher(cfg.launcher, run_dir / "jobs")
-        limit_threads(threads_per_stage(cfg.launcher.get("threads"), cfg.launcher.get("max_parallel")))
         results = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
                           cfg.launcher.get("max_parallel"))
     except RegraftError as exc:

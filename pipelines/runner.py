@@ -30,7 +30,12 @@ class NodeResult:
     out: str
     hit: bool
     seconds: float  # the stage's own work (0 for a hit)
-    wall_seconds: float  # from dispatch to collection: the stage plus what it cost to run it as a job
+    wall_seconds: float  # from the decision to run it to its result tracked: the stage plus running it as a job
+
+    @property
+    def overhead_seconds(self) -> float:
+        """What orchestration cost this stage: job start, imports, polling, tracking."""
+        return max(0.0, self.wall_seconds - self.seconds)
     metrics: dict[str, Any] = field(default_factory=dict)
     headline: str = ""
     job_id: str = ""
@@ -44,6 +49,12 @@ class Running:
     started: float
 
 
+def pending(nodes: list[Node], cache_root: Path) -> list[Node]:
+    """The nodes without a complete output now: what a run will dispatch unless a sweep member gets there first."""
+    keys = keys_for(nodes)
+    return [node for node in nodes if not is_complete(output_dir(cache_root, node.stage, keys[node.name]))]
+
+
 def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tracker | None,
             console: Console, poll_s: float = 0.2, max_parallel: int | None = None) -> dict[str, NodeResult]:
     check_graph(nodes)
@@ -53,11 +64,12 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
     running: dict[str, Running] = {}
     waiting = list(nodes)
 
-    def record(node: Node, outcome: StageOutcome, wall: float, run_id: str | None, job_id: str = "") -> None:
-        results[node.name] = NodeResult(node.name, node.stage, node.phase, keys[node.name], outcome.out, outcome.hit,
-                                        outcome.seconds, wall, outcome.metrics, outcome.headline, job_id)
+    def record(node: Node, outcome: StageOutcome, started: float, run_id: str | None, job_id: str = "") -> None:
         if tracker is not None and run_id is not None:
             tracker.finish_stage(run_id, outcome, job_id=job_id)
+        results[node.name] = NodeResult(node.name, node.stage, node.phase, keys[node.name], outcome.out, outcome.hit,
+                                        outcome.seconds, time.perf_counter() - started, outcome.metrics,
+                                        outcome.headline, job_id)
         state = "cached" if outcome.hit else f"done in {outcome.seconds:.1f} s"
         console.print(f"[green]{node.name:>18}[/green] {state}: {outcome.headline}", highlight=False)
 
@@ -74,16 +86,17 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
                 if not dispatchable(node):
                     continue
                 waiting.remove(node)
+                started = time.perf_counter()
                 config = resolve(node.config, outputs)
                 config.out = str(outputs[node.name])
                 hit = is_complete(outputs[node.name])
                 run_id = tracker.start_stage(node, keys[node.name], config, hit) if tracker else None
                 if hit:
-                    record(node, outcome_from_manifest(outputs[node.name], True, 0.0), 0.0, run_id)
+                    record(node, outcome_from_manifest(outputs[node.name], True, 0.0), started, run_id)
                     continue
                 console.print(f"[cyan]{node.name:>18}[/cyan] dispatched ({keys[node.name]})", highlight=False)
                 after = [running[up].job for up in node.upstream if up in running]
-                running[node.name] = Running(node, launcher.submit(node, config, after), run_id, time.perf_counter())
+                running[node.name] = Running(node, launcher.submit(node, config, after), run_id, started)
             for name, item in list(running.items()):
                 if launcher.finished(item.job):
                     del running[name]
@@ -94,7 +107,7 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
                             tracker.finish_stage(item.run_id, None, str(exc), item.job.job_id,
                                                  launcher.log_of(item.job))
                         raise
-                    record(item.node, outcome, time.perf_counter() - item.started, item.run_id, item.job.job_id)
+                    record(item.node, outcome, item.started, item.run_id, item.job.job_id)
             if running:
                 time.sleep(poll_s)
     except BaseException:

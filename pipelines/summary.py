@@ -49,11 +49,11 @@ def headline_numbers(results: dict[str, dict]) -> dict[str, Any]:
 
 def stage_table(results: dict[str, NodeResult]) -> Table:
     table = Table(title="regraft: stages")
-    for column in ("stage", "phase", "cache", "seconds", "result"):
-        table.add_column(column, justify="right" if column == "seconds" else "left")
+    for column in ("stage", "phase", "cache", "seconds", "overhead", "result"):
+        table.add_column(column, justify="right" if column in ("seconds", "overhead") else "left")
     for result in results.values():
         table.add_row(result.name, result.phase, "hit" if result.hit else "ran", f"{result.seconds:.1f}",
-                      result.headline)
+                      f"{result.overhead_seconds:.1f}", result.headline)
     return table
 
 
@@ -144,7 +144,8 @@ def plot(results: dict[str, dict], run_dir: Path) -> list[Path]:
 
 def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, overrides: list[str],
                   wall_seconds: float) -> dict:
-    stages = {name: asdict(result) for name, result in results.items()}
+    stages = {name: {**asdict(result), "overhead_seconds": round(result.overhead_seconds, 3)}
+              for name, result in results.items()}
     summary = {"overrides": overrides, "wall_seconds": round(wall_seconds, 2), "numbers": headline_numbers(stages),
                "stages": stages, "config": config}
     write_json_atomic(run_dir / "summary.json", summary)

@@ -13,13 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.world import TINY_WORLD_OVERRIDES
+from pipelines.regraft import TINY_OVERRIDES as TINY
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [f"world.{override}" for override in TINY_WORLD_OVERRIDES] + [
-    "vocab_map.draft_vocab_size=128", "features.batch_size=8", "finetune.max_steps=4", "finetune.micro_batch_size=4",
-    "finetune.ttt_steps=3", "finetune.max_length=64", "finetune.log_every=1", "probe.num_prompts=2",
-    "probe.max_new_tokens=12"]
 NODES = ["world", "probe", "vocab_map", "compare", "remap", "features", "finetune", "evaluate",
          "baseline_finetune", "baseline_evaluate"]
 
@@ -78,6 +74,8 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
         assert manifest["complete"] and len(stage["key"]) == 16, name
         assert Path(stage["out"]).parent.name == stage["stage"]
     assert stages["evaluate"]["metrics"]["lossless"] == 1 and stages["probe"]["metrics"]["lossless"] == 1
+    run_dir = sorted((outputs / "runs").iterdir())[-1]
+    assert "serving" in (run_dir / "jobs" / "warm.log").read_text()  # the jobs forked from the warm interpreter
     assert 1.0 <= stages["evaluate"]["metrics"]["accept_len"] <= 4.0
     assert stages["remap"]["metrics"]["rows_remapped"] == stages["compare"]["metrics"]["shared_ids"]
     assert list((sorted((outputs / "runs").iterdir())[-1] / "jobs").iterdir())  # submitit job folders and logs
