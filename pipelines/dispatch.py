@@ -41,6 +41,7 @@ def last_line(text: str) -> str:
 
 class Launcher:
     chains = False  # True: submits jobs whose inputs do not exist yet, with scheduler dependencies
+    in_process = False  # True: submit runs the stage itself
 
     def __init__(self, cfg: DictConfig, folder: Path):
         self.cfg, self.folder = cfg, folder
@@ -74,6 +75,8 @@ class Launcher:
 
 
 class InlineLauncher(Launcher):
+    in_process = True
+
     def submit(self, node: Node, config: DictConfig, after: list[Any]) -> InlineJob:
         job = InlineJob(job_id=f"inline-{node.name}")
         try:

@@ -13,6 +13,7 @@ of this invocation's MLflow run, and the run ends with a table, `summary.json` a
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from rich.console import Console
 import pipelines.schema  # noqa: F401  (registers the pipeline-level schemas)
 from pipelines.dag import REFERENCE, build_nodes
 from pipelines.dispatch import make_launcher
-from pipelines.runner import pending, run_dag
+from pipelines.runner import Interrupts, pending, run_dag
 from pipelines.summary import headline_numbers, plot, stage_table, story_table, write_summary
 from pipelines.tracking import Tracker
 from stages import compare, evaluate, features, finetune, probe, remap, vocab_map, world  # noqa: F401  (schemas)
@@ -85,6 +86,10 @@ def main(cfg: DictConfig) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = list(HydraConfig.get().overrides.task)
     tracker = None
+    # SIGTERM (`kill`, a scheduler ending regraft's own job) ends a run as Ctrl-C does: stage jobs are cancelled
+    # (scancel on Slurm) and the MLflow runs marked KILLED, not left running with nobody to collect them
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, Interrupts.handler)
     try:
         check_given_inputs(cfg)
         nodes = build_nodes(cfg)
@@ -101,6 +106,12 @@ def main(cfg: DictConfig) -> None:
         if tracker is not None:
             tracker.finish("FAILED", {}, {}, [])
         sys.exit(1)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted:[/red] the running stages were cancelled; the same command resumes from "
+                      "the complete ones", highlight=False)
+        if tracker is not None:
+            tracker.finish("KILLED", {}, {}, [])
+        sys.exit(130)
     summary = write_summary(run_dir, results, OmegaConf.to_container(cfg, resolve=True), overrides,
                             time.perf_counter() - start)
     plots = plot(summary["stages"], run_dir)

@@ -6,10 +6,11 @@ dependencies (Slurm). The first failure cancels what is still running and ends t
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from rich.console import Console
 
@@ -49,6 +50,33 @@ class Running:
     started: float
 
 
+class Interrupts:
+    """SIGINT and SIGTERM as KeyboardInterrupt (`handler`), held back while a job is started or collected (`held`),
+    so the cancel that follows an interrupt finds every job regraft started and closes every run it opened."""
+
+    holding = False
+    pending: int | None = None
+
+    @classmethod
+    def handler(cls, number: int, frame) -> None:
+        if cls.holding:
+            cls.pending = number
+            return
+        raise KeyboardInterrupt(f"signal {number}")
+
+    @classmethod
+    @contextlib.contextmanager
+    def held(cls) -> Iterator[None]:
+        cls.holding = True
+        try:
+            yield
+        finally:
+            cls.holding = False
+            if cls.pending is not None:
+                number, cls.pending = cls.pending, None
+                raise KeyboardInterrupt(f"signal {number}")
+
+
 def pending(nodes: list[Node], cache_root: Path) -> list[Node]:
     """The nodes without a complete output now: what a run will dispatch unless a sweep member gets there first."""
     keys = keys_for(nodes)
@@ -80,41 +108,52 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
             return all(up in results or up in running for up in node.upstream)
         return all(up in results for up in node.upstream)
 
+    def dispatch(node: Node) -> None:
+        waiting.remove(node)
+        started = time.perf_counter()
+        config = resolve(node.config, outputs)
+        config.out = str(outputs[node.name])
+        hit = is_complete(outputs[node.name])
+        run_id = tracker.start_stage(node, keys[node.name], config, hit) if tracker else None
+        if hit:
+            record(node, outcome_from_manifest(outputs[node.name], True, 0.0), started, run_id)
+            return
+        console.print(f"[cyan]{node.name:>18}[/cyan] dispatched ({keys[node.name]})", highlight=False)
+        after = [running[up].job for up in node.upstream if up in running]
+        running[node.name] = Running(node, launcher.submit(node, config, after), run_id, started)
+
+    def collect(name: str, item: Running) -> None:
+        del running[name]
+        try:
+            outcome = launcher.outcome(item.job)
+        except RegraftError as exc:
+            if tracker is not None and item.run_id:
+                tracker.finish_stage(item.run_id, None, str(exc), item.job.job_id, launcher.log_of(item.job))
+            raise
+        record(item.node, outcome, item.started, item.run_id, item.job.job_id)
+
+    # an inline stage runs inside submit: Ctrl-C must reach it there
+    bookkeeping = contextlib.nullcontext if launcher.in_process else Interrupts.held
     try:
         while waiting or running:
             for node in list(waiting):
-                if not dispatchable(node):
-                    continue
-                waiting.remove(node)
-                started = time.perf_counter()
-                config = resolve(node.config, outputs)
-                config.out = str(outputs[node.name])
-                hit = is_complete(outputs[node.name])
-                run_id = tracker.start_stage(node, keys[node.name], config, hit) if tracker else None
-                if hit:
-                    record(node, outcome_from_manifest(outputs[node.name], True, 0.0), started, run_id)
-                    continue
-                console.print(f"[cyan]{node.name:>18}[/cyan] dispatched ({keys[node.name]})", highlight=False)
-                after = [running[up].job for up in node.upstream if up in running]
-                running[node.name] = Running(node, launcher.submit(node, config, after), run_id, started)
+                if dispatchable(node):
+                    with bookkeeping():
+                        dispatch(node)
             for name, item in list(running.items()):
                 if launcher.finished(item.job):
-                    del running[name]
-                    try:
-                        outcome = launcher.outcome(item.job)
-                    except RegraftError as exc:
-                        if tracker is not None and item.run_id:
-                            tracker.finish_stage(item.run_id, None, str(exc), item.job.job_id,
-                                                 launcher.log_of(item.job))
-                        raise
-                    record(item.node, outcome, item.started, item.run_id, item.job.job_id)
+                    with bookkeeping():
+                        collect(name, item)
             if running:
                 time.sleep(poll_s)
-    except BaseException:
+    except BaseException as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt)
         for item in running.values():
             launcher.cancel(item.job)
             if tracker is not None and item.run_id:
-                tracker.finish_stage(item.run_id, None, "cancelled: another stage failed", item.job.job_id)
+                reason = "cancelled: regraft was interrupted" if interrupted else "cancelled: another stage failed"
+                tracker.finish_stage(item.run_id, None, reason, item.job.job_id,
+                                     status="KILLED" if interrupted else "FAILED")
         raise
     return {node.name: results[node.name] for node in nodes}
 

@@ -119,14 +119,15 @@ class Tracker:
         return run.info.run_id
 
     def finish_stage(self, run_id: str, outcome: StageOutcome | None, error: str | None = None,
-                     job_id: str = "", log: str = "") -> None:
+                     job_id: str = "", log: str = "", status: str = "FAILED") -> None:
+        """A stage's results into its child run; without an outcome, `error` and `status` (FAILED or KILLED)."""
         if job_id:
             self.client.set_tag(run_id, "job_id", job_id)
         if log:
             self.client.set_tag(run_id, "job_log", log)
         if outcome is None:
             self.client.set_tag(run_id, "error", (error or "")[:5000])
-            self.client.set_terminated(run_id, "FAILED")
+            self.client.set_terminated(run_id, status)
             return
         out = Path(outcome.out)
         self.client.set_tag(run_id, "cache_hit", str(outcome.hit).lower())

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,37 @@ def test_a_run_killed_while_holding_a_stage_lock_does_not_block_the_next(first_r
     assert done.returncode == 0, done.stderr[-3000:]
     assert ran(last_summary(outputs)) == {"compare"}
     assert not list(compare_out.parent.glob(f".{compare_out.name}.tmp-*"))  # the dead run's temp folder is gone
+
+
+def test_sigterm_cancels_the_running_stages_and_marks_the_runs_killed(tmp_path):
+    command = [sys.executable, "-m", "pipelines.regraft", f"paths.outputs={tmp_path}", *TINY]
+    run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    while not any("dispatched" in line for line in lines):
+        lines.append(run.stdout.readline())
+        assert lines[-1] or run.poll() is None, "".join(lines)
+    for _ in range(300):  # until the world's job is inside the stage: it holds the stage's lock
+        if list((tmp_path / "cache").glob("world/*.lock")):
+            break
+        time.sleep(0.1)
+    run.send_signal(signal.SIGTERM)
+    output = "".join(lines) + run.stdout.read()
+    assert run.wait(timeout=60) == 130, output
+    assert "interrupted: the running stages were cancelled" in output
+    client = mlflow_client(tmp_path)
+    parent = parent_runs(client)[-1]
+    world_run = child_runs(client, parent.info.run_id)["world"]
+    assert parent.info.status == "KILLED" and world_run.info.status == "KILLED"
+    assert world_run.data.tags["error"] == "cancelled: regraft was interrupted"
+
+    def leftovers() -> str:  # the run's job controllers, clients and warm interpreter
+        processes = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+        return "\n".join(line for line in processes if str(tmp_path) in line or "pipelines.warm" in line)
+
+    for _ in range(100):
+        if not leftovers():
+            break
+        time.sleep(0.2)
+    assert not leftovers()
+    world = tmp_path / "cache" / "world"
+    assert list(world.glob("*.lock")) and not list(world.glob("*/manifest.json"))  # stopped inside, never complete

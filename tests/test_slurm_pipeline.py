@@ -2,8 +2,9 @@
 
 One Slurm job per stage chained with afterok, a sweep that submits its shared stages once, a 2-task (2-rank)
 fine-tune equal to one rank with gradient accumulation 2, a fine-tune requeued twice (submitit's USR2 warning,
-then `scontrol requeue`) that resumes from its checkpoints with every step once in MLflow, and a stage job killed
-with scancel that ends the pipeline with one line. Skipped where the cluster cannot come up (needs root).
+then `scontrol requeue`) that resumes from its checkpoints with every step once in MLflow, a stage job killed
+with scancel that ends the pipeline with one line, and a SIGTERM to regraft that scancels its jobs. Skipped where
+the cluster cannot come up (needs root).
     .venv/bin/python -m pytest -q tests/test_slurm_pipeline.py -m "not slow"   # 4-5 min on 2 busy cores
     .venv/bin/python -m pytest -q tests/test_slurm_pipeline.py                # + the requeue test, about 2 min
 
@@ -248,6 +249,24 @@ def test_cancelled_stage_job_ends_the_pipeline_with_one_line(sweep, slurm_cluste
     errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"Slurm job {job_id} ended CANCELLED" in errors[0], log.read_text()[-3000:]
     assert wait_until("evaluate cancelled", lambda: job_state(evaluate) == "CANCELLED", timeout_s=30)
+
+
+def test_sigterm_to_regraft_cancels_its_slurm_jobs(sweep, slurm_cluster):  # noqa: F811
+    outputs, _ = sweep
+    process, log = run_in_background(outputs, slurm_cluster, "sigterm", "finetune.lr=1.5e-3")
+    try:
+        run = outputs / "runs" / "sigterm"
+        job_id = finetune_job(run)
+        wait_until("the finetune job running", lambda: job_state(job_id) == "RUNNING")
+        evaluate = wait_until("evaluate's submission", lambda: submitted(run).get("evaluate", {}).get("job_id"))
+        process.terminate()  # as `kill`, or a scheduler ending the job regraft itself runs in
+        assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "interrupted: the running stages were cancelled" in log.read_text()
+    for job in (job_id, evaluate):
+        assert wait_until(f"job {job} cancelled", lambda: job_state(job) == "CANCELLED", timeout_s=30)
 
 
 def test_ranks_must_match_the_stages_nproc():
