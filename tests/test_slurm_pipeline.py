@@ -233,38 +233,37 @@ def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster)
         assert sorted(m.step for m in history) == steps, key  # each step once: none repeated, none missing
 
 
-def test_cancelled_stage_job_ends_the_pipeline_with_one_line(sweep, slurm_cluster):  # noqa: F811
-    outputs, _ = sweep
-    process, log = run_in_background(outputs, slurm_cluster, "cancel", "finetune.lr=2e-3")
+def stopped_while_finetuning(outputs: Path, cluster, name: str, lr: str, stop) -> tuple[int, str, str, str]:
+    """Run regraft until its finetune job runs and evaluate is queued, then `stop(process, finetune job id)`.
+    Returns regraft's exit status, its output, and the finetune and evaluate job ids."""
+    process, log = run_in_background(outputs, cluster, name, f"finetune.lr={lr}")
     try:
-        run = outputs / "runs" / "cancel"
+        run = outputs / "runs" / name
         job_id = finetune_job(run)
         wait_until("the finetune job running", lambda: job_state(job_id) == "RUNNING")
         evaluate = wait_until("evaluate's submission", lambda: submitted(run).get("evaluate", {}).get("job_id"))
-        subprocess.run(["scancel", job_id], check=True, capture_output=True)
-        assert process.wait(timeout=120) == 1
+        stop(process, job_id)
+        code = process.wait(timeout=120)
     finally:
         if process.poll() is None:
             process.kill()
-    errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and f"Slurm job {job_id} ended CANCELLED" in errors[0], log.read_text()[-3000:]
+    return code, log.read_text(), job_id, evaluate
+
+
+def test_cancelled_stage_job_ends_the_pipeline_with_one_line(sweep, slurm_cluster):  # noqa: F811
+    code, output, job_id, evaluate = stopped_while_finetuning(
+        sweep[0], slurm_cluster, "cancel", "2e-3",
+        lambda process, job: subprocess.run(["scancel", job], check=True, capture_output=True))
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and f"Slurm job {job_id} ended CANCELLED" in errors[0], output[-3000:]
     assert wait_until("evaluate cancelled", lambda: job_state(evaluate) == "CANCELLED", timeout_s=30)
 
 
 def test_sigterm_to_regraft_cancels_its_slurm_jobs(sweep, slurm_cluster):  # noqa: F811
-    outputs, _ = sweep
-    process, log = run_in_background(outputs, slurm_cluster, "sigterm", "finetune.lr=1.5e-3")
-    try:
-        run = outputs / "runs" / "sigterm"
-        job_id = finetune_job(run)
-        wait_until("the finetune job running", lambda: job_state(job_id) == "RUNNING")
-        evaluate = wait_until("evaluate's submission", lambda: submitted(run).get("evaluate", {}).get("job_id"))
-        process.terminate()  # as `kill`, or a scheduler ending the job regraft itself runs in
-        assert process.wait(timeout=120) == 130, log.read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert "interrupted: the running stages were cancelled" in log.read_text()
+    # as `kill`, or a scheduler ending the job regraft itself runs in
+    code, output, job_id, evaluate = stopped_while_finetuning(
+        sweep[0], slurm_cluster, "sigterm", "1.5e-3", lambda process, job: process.terminate())
+    assert code == 130 and "interrupted: the running stages were cancelled" in output, output[-3000:]
     for job in (job_id, evaluate):
         assert wait_until(f"job {job} cancelled", lambda: job_state(job) == "CANCELLED", timeout_s=30)
 
