@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,6 +93,7 @@ class FinetuneConfig:
     val_fraction: float = 0.05
     log_every: int = 10
     checkpoint_every: int = 100
+    keep_checkpoints: int = 2  # the newest DeepSpeed checkpoints kept (weights + optimizer, ~4x the drafter); 0: all
     checkpoint_dir: Optional[str] = None  # default: <out>.checkpoints
     resume: bool = True  # continue from the latest checkpoint in checkpoint_dir
     seed: int = 0
@@ -372,6 +374,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
         if rank == 0:
             (checkpoints / "latest.tmp").write_text(tag)
             os.replace(checkpoints / "latest.tmp", checkpoints / "latest")
+            prune_checkpoints(checkpoints, cfg.keep_checkpoints)
 
     bar = tqdm(total=total_steps, initial=progress.step, desc="finetune", disable=rank != 0, mininterval=1.0)
     started, tokens = time.perf_counter(), 0
@@ -409,12 +412,24 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
         if not val or val["loss"] < progress.best_val_loss:
             progress.best_val_loss = val.get("loss", progress.best_val_loss)
             best = {"state": snapshot(engine.module), "val": val}
-            if rank == 0:
-                torch.save(best, best_file)
+            if rank == 0:  # a job killed while saving leaves the previous best whole
+                torch.save(best, best_file.with_suffix(".tmp"))
+                os.replace(best_file.with_suffix(".tmp"), best_file)
         if progress.step >= total_steps:
             break
     bar.close()
     return best["state"], best["val"]
+
+
+def prune_checkpoints(checkpoints: Path, keep: int) -> None:
+    """Keep the `keep` newest DeepSpeed checkpoints (`step<N>` folders) up to the one `latest` names; delete the
+    older ones. A folder past `latest` (a save cut short before a resume) is left for the next save to overwrite.
+    keep=0 keeps every checkpoint."""
+    newest = int((checkpoints / "latest").read_text().removeprefix("step"))
+    steps = sorted(int(path.name[4:]) for path in checkpoints.glob("step*")
+                   if path.is_dir() and path.name[4:].isdigit() and int(path.name[4:]) <= newest)
+    for step in steps[:-keep] if keep else []:
+        shutil.rmtree(checkpoints / f"step{step}", ignore_errors=True)
 
 
 def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -80,7 +80,11 @@ def test_resume_after_a_stop_ends_with_the_same_weights(trained_target, chats, t
     overrides = [f"target={trained_target}", f"data={chats}", f"vocab_map={training_map}", "init=scratch",
                  "ttt_steps=3", "micro_batch_size=4", "max_length=48", "lr=3e-3", "log_every=1",
                  "val_fraction=0.2", "epochs=4", "checkpoint_every=1000", "deepspeed.warmup_ratio=0.1"]
-    finetune.run(compose_stage("finetune", overrides + [f"out={tmp_path / 'straight'}"]))
+    checkpointing = [item if not item.startswith("checkpoint_every=") else "checkpoint_every=5" for item in overrides]
+    finetune.run(compose_stage("finetune", checkpointing + [f"out={tmp_path / 'straight'}"]))
+    saved = tmp_path / "straight.checkpoints" / "deepspeed"  # 36 steps, saved at 5, 10, ..., 35; the 2 newest kept
+    assert sorted(p.name for p in saved.iterdir() if p.is_dir()) == ["step30", "step35"]
+    assert (saved / "latest").read_text() == "step35"
 
     command = [sys.executable, "-m", "stages.finetune", *overrides, f"out={tmp_path / 'stopped'}"]
     metrics = tmp_path / "stopped.checkpoints" / "metrics.jsonl"
