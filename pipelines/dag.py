@@ -109,6 +109,9 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
         nodes.append(Node(train_name, "finetune", finetune))
         if cfg.pipeline.evaluate:
             nodes.append(Node(eval_name, "evaluate", wired(cfg.evaluate, target=target, drafter=f"@{train_name}")))
+    for node in nodes:
+        if "trust_remote_code" in node.config:
+            node.config.trust_remote_code = node.config.trust_remote_code or cfg.target.trust_remote_code
     used = {match["node"] for node in nodes for match in references(node.config)}
     return [node for node in nodes if node.name != "world" or "world" in used]
 

@@ -11,6 +11,7 @@ from stages.common.cli import register_schema
 @dataclass
 class TargetConfig:
     path: str = MISSING  # model folder (config.json, safetensors, tokenizer), or @world/target_b
+    trust_remote_code: bool = False  # every stage that loads the target runs the code in its folder (Kimi's)
 
 
 @dataclass

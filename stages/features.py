@@ -36,6 +36,7 @@ class FeaturesConfig:
     out: str = MISSING
     drafter: Optional[str] = None  # take the aux layers (and convention) from this drafter's config
     aux_layer_ids: Optional[list[int]] = None  # or give them, in the output-of-layer convention
+    trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
     max_length: int = 256
     batch_size: int = 8
     rows_per_shard: int = 512
@@ -57,8 +58,8 @@ def aux_layers(cfg: DictConfig) -> list[int]:
 
 def run(cfg: DictConfig) -> StageResult:
     layer_ids = aux_layers(cfg)
-    target = TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER)
-    rows = tokenized_chats(load_tokenizer(cfg.target), Path(cfg.data), cfg.max_length)
+    target = TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, trust_remote_code=cfg.trust_remote_code)
+    rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
     count = rows["input_ids"].shape[0]
     with staged_output(cfg.out, "features", cfg) as staged:
         shard, pending = 0, []

@@ -82,6 +82,7 @@ class FinetuneConfig:
     vocab_map: str = MISSING  # the training draft vocab
     out: str = MISSING
     drafter: Optional[str] = None  # the init's drafter (remap output / source drafter); scratch may omit it
+    trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
     features: Optional[str] = None  # a features stage output: train offline on cached target states
     init: Init = Init.remap
     ttt_steps: int = 7
@@ -193,8 +194,8 @@ def training_rows(cfg: DictConfig, drafter: Eagle3Drafter) -> tuple[TargetModel 
         return TargetHead(cfg.target), load_features(cfg.features, layer_ids, cfg.max_length)
     if not cfg.data:
         raise RegraftError(None, "finetune needs training data", "pass data=CHATS.jsonl (online) or features=DIR")
-    rows = tokenized_chats(load_tokenizer(cfg.target), Path(cfg.data), cfg.max_length)
-    return TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER), rows
+    rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
+    return TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, trust_remote_code=cfg.trust_remote_code), rows
 
 
 # ---------------------------------------------------------------- DeepSpeed

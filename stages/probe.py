@@ -63,6 +63,7 @@ class ProbeConfig:
     topk: int = 1  # sglang only; the hf backend drafts a chain
     num_draft_tokens: int = 4  # sglang: tokens verified per step (num_steps + 1 for a chain)
     dtype: str = "float32"  # hf: target and drafter dtype
+    trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
     sglang: SglangConfig = field(default_factory=SglangConfig)
 
 
@@ -112,7 +113,8 @@ def measure_hf(cfg: DictConfig, conversations: list[list[str]], tokenizer, draft
     """Every turn decoded twice, speculatively and plainly; returns per-turn rows and accepted drafts per verify."""
     dtype = getattr(torch, cfg.dtype)
     drafter = Eagle3Drafter.from_checkpoint(drafter_path, dtype=dtype)
-    target = TargetModel.load(cfg.target, drafter.config.aux_layer_ids, drafter.config.aux_convention, dtype)
+    target = TargetModel.load(cfg.target, drafter.config.aux_layer_ids, drafter.config.aux_convention, dtype,
+                              cfg.trust_remote_code)
     if target.model.config.vocab_size != drafter.config.vocab_size:
         raise RegraftError(drafter_path, f"drafter vocab {drafter.config.vocab_size} != target vocab "
                            f"{target.model.config.vocab_size}", "probe a drafter made for this target's tokenizer")
@@ -196,7 +198,7 @@ def measure(cfg: DictConfig, stage: str = "probe") -> StageResult:
         else None
     if drafter_config is None:
         raise RegraftError(drafter_path, "no drafter config.json", "give drafter= a drafter checkpoint folder")
-    tokenizer = load_tokenizer(cfg.target)
+    tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
     conversations = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed)
     warning = aux_convention_warning(drafter_config, "sglang") if backend is Backend.sglang else None
     if warning:

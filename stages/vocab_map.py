@@ -39,6 +39,7 @@ class VocabMapConfig:
     vocab_size: Optional[int] = None  # target vocab; None: the tokenizer folder's config.json, else the tokenizer
     max_length: Optional[int] = None  # truncate each conversation to this many tokens, as training will
     batch_size: int = 256
+    trust_remote_code: bool = False  # run the tokenizer code in its folder (Kimi's tiktoken tokenizer needs it)
 
 
 register_schema("vocab_map", VocabMapConfig)
@@ -114,7 +115,7 @@ def save_coverage_plot(counts: torch.Tensor, draft_vocab_size: int, path: Path) 
 
 def run(cfg: DictConfig) -> StageResult:
     tokenizer_dir, data = Path(cfg.tokenizer), Path(cfg.data)
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = load_tokenizer(tokenizer_dir, cfg.trust_remote_code)
     vocab_size, vocab_size_source = resolve_vocab_size(cfg.vocab_size, tokenizer, tokenizer_dir)
     tally = count_assistant_tokens(tokenizer, read_conversations(data), vocab_size, cfg.batch_size, cfg.max_length)
     assistant_tokens = int(tally.counts.sum())

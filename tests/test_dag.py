@@ -46,6 +46,15 @@ def test_a_changed_option_changes_the_keys_downstream_only(override, expected):
     assert changed(keys_for(nodes_for()), keys_for(nodes_for(override))) == expected
 
 
+def test_trusting_the_targets_code_reaches_every_stage_that_loads_it():
+    loads_target = {"probe", "vocab_map", "features", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"}
+    for trusted in (False, True):
+        nodes = nodes_for(f"target.trust_remote_code={str(trusted).lower()}")
+        assert {node.name for node in nodes if node.config.get("trust_remote_code") is trusted} == loads_target
+    assert {node.name for node in nodes_for("experiment=kimi_k25") if node.config.get("trust_remote_code")} \
+        == loads_target
+
+
 def test_a_scratch_finetune_is_its_own_baseline():
     keys = keys_for(nodes_for("finetune.init=scratch"))
     assert keys["finetune"] == keys["baseline_finetune"]

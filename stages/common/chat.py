@@ -33,18 +33,23 @@ def read_conversations(path: Path) -> Iterator[list[dict]]:
             yield messages
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """The target's tokenizer. trust_remote_code runs the tokenizer code in its folder (Kimi's is tiktoken-based)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_dir():
         raise RegraftError(path, "tokenizer folder not found", "give tokenizer= a local HF tokenizer folder")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise RegraftError(path, "the tokenizer is code in its folder (auto_map)",
+                           "set target.trust_remote_code=true (a stage alone: trust_remote_code=true) if you trust "
+                           "it") from None
     if not tokenizer.chat_template:
         raise RegraftError(path, "tokenizer has no chat template", "add chat_template to tokenizer_config.json")
-    if not tokenizer.is_fast:
-        raise RegraftError(path, "needs a fast tokenizer (offsets mark the assistant tokens)",
-                           "save the tokenizer with tokenizer.json")
     return tokenizer
 
 
@@ -90,8 +95,12 @@ def batched(items: Iterator, size: int) -> Iterator[list]:
 
 def encode_chats(tokenizer, batch: list[list[dict]], max_length: int | None = None
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(input_ids, assistant mask) per conversation, tokenized together with offsets."""
+    """(input_ids, assistant mask) per conversation: a fast tokenizer's offsets place every token in or out of an
+    assistant span; a tokenizer without offsets (Kimi's tiktoken one) tokenizes the stretches between span
+    boundaries one by one (`encode_by_spans`)."""
     rendered = [render_with_assistant_spans(tokenizer, messages) for messages in batch]
+    if not tokenizer.is_fast:
+        return [encode_by_spans(tokenizer, text, spans, max_length) for text, spans in rendered]
     encoded = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True,
                         truncation=max_length is not None, max_length=max_length)
     out = []
@@ -99,6 +108,22 @@ def encode_chats(tokenizer, batch: list[list[dict]], max_length: int | None = No
         mask = assistant_token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), spans)
         out.append((np.asarray(ids, dtype=np.int64), mask))
     return out
+
+
+def encode_by_spans(tokenizer, text: str, spans: list[tuple[int, int]], max_length: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, assistant mask) of one rendered conversation, each stretch between span boundaries tokenized
+    alone. The boundaries sit at a turn's end marker and after the assistant header's newline, where BPE never
+    merges across, so this gives the ids of tokenizing the whole text (tests/test_chat.py checks it)."""
+    cuts = sorted({0, len(text), *(bound for span in spans for bound in span)})
+    ids: list[int] = []
+    mask: list[bool] = []
+    for begin, end in zip(cuts, cuts[1:]):
+        piece = tokenizer.encode(text[begin:end], add_special_tokens=False)
+        ids.extend(piece)
+        mask.extend([any(first <= begin and end <= last for first, last in spans)] * len(piece))
+    limit = max_length if max_length is not None else len(ids)
+    return np.asarray(ids[:limit], dtype=np.int64), np.asarray(mask[:limit], dtype=bool)
 
 
 def tokenized_chats(tokenizer, path: Path, max_length: int, batch_size: int = 256) -> dict[str, torch.Tensor]:

@@ -54,12 +54,13 @@ class TargetModel:
 
     @classmethod
     def load(cls, path: str | Path, aux_layer_ids: list[int], convention: str = OUTPUT_OF_LAYER,
-             dtype: torch.dtype = torch.float32) -> "TargetModel":
+             dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> "TargetModel":
         from transformers import AutoModelForCausalLM
 
         if not (Path(path) / "config.json").exists():
             raise RegraftError(path, "no config.json: not a target model folder", "point at a save_pretrained folder")
-        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), aux_layer_ids, convention)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return cls(model, aux_layer_ids, convention)
 
     def _capture(self, layer_id: int | str):
         def hook(module, inputs, output):
