@@ -32,14 +32,14 @@ class NodeResult:
     hit: bool
     seconds: float  # the stage's own work (0 for a hit)
     wall_seconds: float  # from the decision to run it to its result tracked: the stage plus running it as a job
+    metrics: dict[str, Any] = field(default_factory=dict)
+    headline: str = ""
+    job_id: str = ""
 
     @property
     def overhead_seconds(self) -> float:
         """What orchestration cost this stage: job start, imports, polling, tracking."""
         return max(0.0, self.wall_seconds - self.seconds)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    headline: str = ""
-    job_id: str = ""
 
 
 @dataclass
