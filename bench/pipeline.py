@@ -8,8 +8,8 @@ orchestration overhead: starting the job's processes, imports, the job's pickles
   cold   a fresh interpreter per job (launcher.warm=false): every job imports torch and the stages itself
   warm   jobs fork from one interpreter that imported them once (launcher.warm=true, the default)
 
-    .venv/bin/python bench/pipeline.py                   # the tiny world of the tests: ~4 minutes
-    .venv/bin/python bench/pipeline.py --size default    # `make run` itself, warm launcher only: ~8 minutes
+    .venv/bin/python bench/pipeline.py                   # the tiny world of the tests: ~3 minutes
+    .venv/bin/python bench/pipeline.py --size default    # `make run` itself, warm launcher only: ~5 minutes
     .venv/bin/python bench/pipeline.py --cases warm --keep
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def regraft(outputs: Path, overrides: list[str]) -> tuple[float, dict]:
 
 
 def stage_rows(summary: dict) -> list[tuple[str, float, float]]:
-    return [(name, stage["seconds"], stage["wall_seconds"] - stage["seconds"])
+    return [(name, stage["seconds"], stage["overhead_seconds"])
             for name, stage in summary["stages"].items() if not stage["hit"]]
 
 

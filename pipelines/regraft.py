@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the pipeline-level schemas)
+from pipelines.cache import keys_for
 from pipelines.dag import REFERENCE, build_nodes
 from pipelines.dispatch import make_launcher
 from pipelines.runner import Interrupts, pending, run_dag
@@ -95,12 +96,13 @@ def main(cfg: DictConfig) -> None:
         nodes = build_nodes(cfg)
         limit_threads(threads_per_stage(cfg.launcher.get("threads"), cfg.launcher.get("max_parallel")))
         launcher = make_launcher(cfg.launcher, run_dir / "jobs")
-        launcher.prepare(pending(nodes, Path(cfg.paths.cache)))  # a warm interpreter imports while MLflow starts
+        keys = keys_for(nodes)
+        launcher.prepare(pending(nodes, keys, Path(cfg.paths.cache)))  # a warm interpreter imports while MLflow starts
         if cfg.tracking.enabled:
             tracker = Tracker(cfg.tracking, invocation_name(run_dir),
                               tags={"overrides": " ".join(overrides) or "(defaults)", "run_dir": str(run_dir)})
         results = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
-                          cfg.launcher.get("max_parallel"))
+                          cfg.launcher.get("max_parallel"), keys)
     except RegraftError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         if tracker is not None:

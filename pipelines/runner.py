@@ -77,16 +77,17 @@ class Interrupts:
                 raise KeyboardInterrupt(f"signal {number}")
 
 
-def pending(nodes: list[Node], cache_root: Path) -> list[Node]:
+def pending(nodes: list[Node], keys: dict[str, str], cache_root: Path) -> list[Node]:
     """The nodes without a complete output now: what a run will dispatch unless a sweep member gets there first."""
-    keys = keys_for(nodes)
     return [node for node in nodes if not is_complete(output_dir(cache_root, node.stage, keys[node.name]))]
 
 
 def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tracker | None,
-            console: Console, poll_s: float = 0.2, max_parallel: int | None = None) -> dict[str, NodeResult]:
+            console: Console, poll_s: float = 0.2, max_parallel: int | None = None,
+            keys: dict[str, str] | None = None) -> dict[str, NodeResult]:
+    """`keys`: the nodes' cache keys when the caller has them already (keys_for)."""
     check_graph(nodes)
-    keys = keys_for(nodes)
+    keys = keys or keys_for(nodes)
     outputs = {node.name: output_dir(cache_root, node.stage, keys[node.name]) for node in nodes}
     results: dict[str, NodeResult] = {}
     running: dict[str, Running] = {}

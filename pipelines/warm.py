@@ -1,7 +1,7 @@
 """A warm interpreter for local stage jobs: torch, transformers and the stages imported once, a fork per job.
 
 A stage job's own process spends ~4 s of a 2-core machine importing torch before it does any work, which made
-running a stage as a job cost 4-6 s more than running it inline. With `launcher.warm=true` (the default) the
+running a stage as a job cost 5-7 s more than running it inline. With `launcher.warm=true` (the default) the
 local launcher starts this server once per regraft process; it imports the modules the stages need and then
 forks one child per job. Each child is already past the imports and starts the job in milliseconds.
 
