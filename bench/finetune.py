@@ -27,15 +27,18 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from stages.common.chat import load_tokenizer, tokenized_chats  # noqa: E402
-from stages.common.corpus import as_conversation, stdlib_docstrings, write_jsonl  # noqa: E402
+from stages.world.corpus import as_conversation, stdlib_docstrings, write_jsonl  # noqa: E402
 from stages.common.eagle3 import Eagle3Drafter  # noqa: E402
 from stages.common.target import TargetModel  # noqa: E402
-from stages.common.toy import drafter_config_for, tiny_llama, train_tokenizer  # noqa: E402
+from stages.common.drafter_config import drafter_config_for  # noqa: E402
+from stages.world.toy import tiny_llama, train_tokenizer  # noqa: E402
 from stages.common.vocab import VocabMap  # noqa: E402
 from stages import features  # noqa: E402
-from stages.common.cli import compose_stage  # noqa: E402
+from stages.common.stage import compose_stage  # noqa: E402
 from stages.common.target import TargetHead  # noqa: E402
-from stages.finetune import init_distributed, micro_batches, run_ttt  # noqa: E402
+from stages.finetune import init_distributed  # noqa: E402
+from stages.finetune.loop import micro_batches, run_ttt  # noqa: E402
+from stages.common.feature_shards import load_features  # noqa: E402
 
 SIZES = {"toy (hidden 64)": 64, "wide (hidden 256)": 256}
 TTT_STEPS, MICRO_BATCH, MAX_LENGTH, DRAFT_VOCAB = 5, 8, 256, 1024
@@ -46,7 +49,7 @@ def cached_rows(root: Path, target_dir: Path, data: Path) -> dict[str, torch.Ten
     features.run(compose_stage("features", [f"target={target_dir}", f"data={data}", f"out={out}",
                                             f"max_length={MAX_LENGTH}"]))
     config = drafter_config_for(target_dir, DRAFT_VOCAB)
-    return features.load_features(out, config.aux_layer_ids, MAX_LENGTH)
+    return load_features(out, config.aux_layer_ids, MAX_LENGTH)
 
 
 def build_world(root: Path, hidden: int) -> tuple[TargetModel, dict[str, torch.Tensor], VocabMap, Path]:

@@ -28,9 +28,6 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pipelines.regraft import TINY_OVERRIDES  # noqa: E402
 
 CASES = {"cold": ["launcher.warm=false"], "warm": ["launcher.warm=true"]}
 
@@ -59,7 +56,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the output folders")
     args = parser.parse_args()
     cases = args.cases or (["cold", "warm"] if args.size == "tiny" else ["warm"])
-    sizes = TINY_OVERRIDES if args.size == "tiny" else []
+    sizes = ["debug=tiny"] if args.size == "tiny" else []
     workdir = Path(tempfile.mkdtemp(prefix="bench-pipeline-", dir=args.workdir))
     console = Console(width=120)
     per_stage = Table(title=f"regraft stages as local jobs ({args.size} world, {os.cpu_count()} cores)")

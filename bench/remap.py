@@ -158,7 +158,7 @@ def method_copy(drafter: Path, vocab_map: Path, verifier: Path, out: Path) -> No
 
 def method_remap(drafter: Path, vocab_map: Path, verifier: Path, out: Path) -> None:
     from stages import remap
-    from stages.common.cli import compose_stage
+    from stages.common.stage import compose_stage
 
     cfg = compose_stage("remap", [f"drafter={drafter}", f"vocab_map={vocab_map}", f"verifier={verifier}",
                                   f"out={out}", "fallback=verifier"])
@@ -224,7 +224,7 @@ def child(method: str, drafter: str, vocab_map: str, verifier: str, out: str) ->
 
     import safetensors.torch  # noqa: F401
     from stages import remap  # noqa: F401
-    from stages.common.cli import compose_stage  # noqa: F401
+    from stages.common.stage import compose_stage  # noqa: F401
 
     run = {"copy": method_copy, "remap": method_remap, "naive": method_naive}[method]
     baseline_kb, baseline_anon_kb = status_kb("VmHWM"), status_kb("RssAnon")

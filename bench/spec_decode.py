@@ -42,9 +42,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from stages import finetune, vocab_map  # noqa: E402
-from stages.common import spec_decode, toy  # noqa: E402
+from stages.common import spec_decode  # noqa: E402
+from stages.world import toy  # noqa: E402
 from stages.common.chat import load_tokenizer  # noqa: E402
-from stages.common.cli import compose_stage  # noqa: E402
+from stages.common.stage import compose_stage  # noqa: E402
 from stages.common.eagle3 import Eagle3Drafter, KVCache  # noqa: E402
 from stages.common.spec_decode import SpeculativeDecoder, crop, decoding, greedy_generate, target_forward  # noqa: E402
 from stages.common.target import TargetModel  # noqa: E402

@@ -10,7 +10,7 @@ What it measures, in tokens per second over the same chat data:
 
 The data is built locally: docstrings of the Python standard library (parsed with ast, nothing imported) become
 conversations {"user": "What does X do?", "assistant": <docstring>} in a JSONL file, and a byte-level BPE of
-~4096 ids (stages.common.toy.train_tokenizer, with the toy chat template) is trained on them. The Counter's
+~4096 ids (stages.world.toy.train_tokenizer, with the toy chat template) is trained on them. The Counter's
 counts must equal regraft's exactly (asserted). Each method runs --repeat times; the table shows the fastest.
 
     .venv/bin/python bench/vocab_map.py
@@ -39,7 +39,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 
-from stages.common.toy import train_tokenizer  # noqa: E402
+from stages.world.toy import train_tokenizer  # noqa: E402
 from stages.common.chat import load_tokenizer, read_conversations, render_with_assistant_spans  # noqa: E402
 from stages.vocab_map import count_assistant_tokens  # noqa: E402
 

@@ -1,12 +1,16 @@
 """Content-addressed stage outputs: `<cache>/<stage>/<key>`, reused whenever their manifest says complete.
 
 A key hashes the stage name, its own resolved config (the output path left out, @references replaced by the
-upstream keys), a fingerprint of every outside path it reads, and the code version (the stage's module and
-stages/common). A file lock beside the output claims it, so two sweep members never run the same stage at once;
-the lock is an flock, released by the kernel when its holder dies, so a killed run never blocks the next one.
+upstream keys), a fingerprint of every outside path it reads, and the code version: every module of this project
+the stage imports, directly or not (read from the sources with `ast`, lazy imports inside functions included), so
+editing a module reruns exactly the stages that run it. Package versions (torch, transformers, ...) are not in the
+key: each manifest records them, and a hit made under other versions is reported as such (README: the cache).
+A file lock beside the output claims it, so two sweep members never run the same stage at once; the lock is an
+flock, released by the kernel when its holder dies, so a killed run never blocks the next one.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import shutil
@@ -19,16 +23,59 @@ from omegaconf import DictConfig, OmegaConf
 from pipelines.dag import Node, substitute
 from stages.common.artifacts import read_manifest
 
-STAGES_DIR = Path(__file__).resolve().parents[1] / "stages"
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT_PACKAGES = ("stages", "pipelines")
 KEY_LENGTH = 16
+
+
+def module_file(name: str) -> Path | None:
+    """The source file of a project module (a package's __init__.py), or None for anything else."""
+    if name.split(".")[0] not in PROJECT_PACKAGES:
+        return None
+    base = ROOT.joinpath(*name.split("."))
+    for candidate in (base / "__init__.py", base.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_names(path: Path, module: str) -> set[str]:
+    """Every module name an import statement of the file could load (a name after `from X import` may be one)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            base = node.module if not node.level else ".".join(filter(None, (anchor, node.module)))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    # importing a.b.c runs a/__init__.py and a/b/__init__.py first
+    return {".".join(name.split(".")[:end]) for name in names for end in range(1, name.count(".") + 2)}
+
+
+@lru_cache(maxsize=None)
+def project_modules(module: str) -> dict[str, Path]:
+    """The project modules `module` runs: itself and everything it imports, transitively."""
+    found: dict[str, Path] = {}
+    pending = [module]
+    while pending:
+        name = pending.pop()
+        path = module_file(name)
+        if name in found or path is None:
+            continue
+        found[name] = path
+        pending.extend(imported_names(path, name))
+    return found
 
 
 @lru_cache(maxsize=None)
 def code_version(stage: str) -> str:
-    """A hash of the code a stage runs: its module and the shared library under stages/common."""
+    """A hash of the code a stage runs: its module and every project module it imports, transitively."""
     digest = hashlib.sha256()
-    for path in [STAGES_DIR / f"{stage}.py", *sorted((STAGES_DIR / "common").glob("*.py"))]:
-        digest.update(path.name.encode())
+    for name, path in sorted(project_modules(f"stages.{stage}").items()):
+        digest.update(name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:KEY_LENGTH]
 

@@ -1,10 +1,14 @@
 """The experiment as a DAG of stage nodes, built from the composed config.
 
-    world -> probe (phase 0: the source drafter on the new target, as it is)
-    vocab_map (new target's data) -> compare (source map vs new map) -> remap -> features -> finetune -> evaluate
-    features -> baseline_finetune (init scratch) -> baseline_evaluate           (phase 1 and its baseline)
+    world -> source_map -> source_drafter           (source=toy only: the built-in drafter, trained for target A)
+    source drafter -> probe                          (phase 0: the source drafter on the new target, as it is)
+    vocab_map (new target's data) -> compare         (the source drafter's own map vs the new one)
+    vocab_map -> remap (source lm_head rows onto the new map)
+    features (the new target's states, cached once) -> finetune (from remap) -> evaluate            (phase 1)
+    features -> baseline_finetune (from scratch) -> baseline_evaluate                          (its baseline)
 
-A node is a stage module run on a stage config. Inputs are written into that config as references: `@NODE` is the
+A node is a stage module run on a stage config; one stage may run as several nodes (probe, evaluate and
+baseline_evaluate are the probe stage; finetune, baseline_finetune and source_drafter the finetune stage). Inputs are written into that config as references: `@NODE` is the
 node's output folder, `@NODE/sub/path` a path inside it (`@world/target_b`). The references give the edges, and
 the cache key replaces them with the upstream keys, so a node's key is known before anything runs.
 """
@@ -18,11 +22,12 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from stages.common.errors import RegraftError
+from stages.common.stage import compose_stage
 
 REFERENCE = re.compile(r"^@(?P<node>[a-z_]+)(?:/(?P<sub>.*))?$")
-PHASES = {"world": "setup", "probe": "0", "vocab_map": "prep", "compare": "prep", "remap": "prep",
-          "features": "prep", "finetune": "1", "evaluate": "1", "baseline_finetune": "baseline",
-          "baseline_evaluate": "baseline"}
+PHASES = {"world": "setup", "source_map": "setup", "source_drafter": "setup", "probe": "0", "vocab_map": "prep",
+          "compare": "prep", "remap": "prep", "features": "prep", "finetune": "1", "evaluate": "1",
+          "baseline_finetune": "baseline", "baseline_evaluate": "baseline"}
 
 
 @dataclass
@@ -82,10 +87,25 @@ def finetune_drafter(init: str, source: str) -> str | None:
     return {"remap": "@remap", "as_is": source, "scratch": None}[init]
 
 
+def source_nodes(build: DictConfig) -> list[Node]:
+    """The built-in source drafter, made by regraft's own stages: a draft vocab counted on target A's data, then a
+    from-scratch fine-tune on target A (stage defaults plus `source.build`, never the pipeline's finetune options)."""
+    counted = wired(compose_stage("vocab_map", []), tokenizer=build.target, data=build.data)
+    counted.draft_vocab_size = build.draft_vocab_size
+    trained = wired(compose_stage("finetune", []), target=build.target, data=build.data, vocab_map="@source_map")
+    trained.merge_with({"init": "scratch", "seed": build.seed, "ttt_steps": build.ttt_steps, "lr": build.lr,
+                        "max_steps": build.steps, "epochs": build.steps,  # max_steps ends it, epoch ends validate
+                        "micro_batch_size": build.micro_batch_size, "max_length": build.max_length,
+                        "val_fraction": build.val_fraction, "checkpoint_every": build.steps})
+    return [Node("source_map", "vocab_map", counted), Node("source_drafter", "finetune", trained)]
+
+
 def build_nodes(cfg: DictConfig) -> list[Node]:
     """The pipeline's nodes in a topological order, only those `cfg.pipeline` switches on."""
     target, source, data = cfg.target.path, cfg.source.path, cfg.data.train
     nodes = [Node("world", "world", OmegaConf.create(OmegaConf.to_container(cfg.world, resolve=True, enum_to_str=True)))]
+    if cfg.source.build is not None:
+        nodes += source_nodes(cfg.source.build)
     if cfg.pipeline.probe:
         nodes.append(Node("probe", "probe", wired(cfg.probe, target=target, drafter=source)))
     nodes.append(Node("vocab_map", "vocab_map", wired(cfg.vocab_map, tokenizer=target, data=data)))
@@ -107,13 +127,24 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
         if cfg.pipeline.offline:
             finetune.data = None
         nodes.append(Node(train_name, "finetune", finetune))
-        if cfg.pipeline.evaluate:
-            nodes.append(Node(eval_name, "evaluate", wired(cfg.evaluate, target=target, drafter=f"@{train_name}")))
+        if cfg.pipeline.evaluate:  # phase 1 is measured exactly as phase 0, by the same stage and settings
+            nodes.append(Node(eval_name, "probe", wired(cfg.probe, target=target, drafter=f"@{train_name}")))
     for node in nodes:
-        if "trust_remote_code" in node.config:
+        if "trust_remote_code" in node.config and not node.name.startswith("source_"):
             node.config.trust_remote_code = node.config.trust_remote_code or cfg.target.trust_remote_code
-    used = {match["node"] for node in nodes for match in references(node.config)}
-    return [node for node in nodes if node.name != "world" or "world" in used]
+    return without_unused_setup(nodes)
+
+
+SETUP = ("world", "source_map", "source_drafter")  # built only when a later node reads them
+
+
+def without_unused_setup(nodes: list[Node]) -> list[Node]:
+    while True:
+        used = {match["node"] for node in nodes for match in references(node.config)}
+        kept = [node for node in nodes if node.name not in SETUP or node.name in used]
+        if len(kept) == len(nodes):
+            return kept
+        nodes = kept
 
 
 def check_graph(nodes: list[Node]) -> None:

@@ -4,9 +4,9 @@ Submitit pickles `run_stage` by reference, so a job needs nothing but this repos
 the cache again under the lock: a sweep member that started the same stage first leaves a complete output, and
 this one reports a hit instead of running it twice.
 
-On Slurm two more shapes exist (pipelines/dispatch.py picks them):
-- `run_ranks`: one task of a multi-task job (`tasks_per_node` > 1) is one rank of a stage that exposes
-  `init_distributed(launched, seed)` and `run_rank(cfg, launched)` (finetune). Only rank 0 takes the lock and
+On Slurm two more shapes exist (pipelines/launchers.py picks them):
+- `run_ranks`: one task of a multi-task job (`tasks_per_node` > 1) is one rank of a `RankedStage` (finetune).
+  Only rank 0 takes the lock and
   looks at the cache, then tells the other ranks over a gloo group; only rank 0 writes the output.
 - `Resumable`: wraps either for a stage that continues from its own checkpoints (`resume: true`). Submitit calls
   its `checkpoint()` on the time-limit warning (USR2) and requeues the same call; a stage stopped by SIGTERM (a
@@ -21,7 +21,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Protocol, runtime_checkable
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -31,6 +32,21 @@ from stages.common.artifacts import read_manifest
 from stages.common.errors import RegraftError
 
 
+@runtime_checkable
+class RankedStage(Protocol):
+    """A stage module that runs as several ranks of one job (and may be stopped to resume later)."""
+
+    Preempted: type[BaseException]  # raised after a signal asked it to stop and it saved a checkpoint
+
+    def init_distributed(self, launched: bool, seed: int) -> None: ...
+
+    def run_rank(self, cfg: Any, launched: bool) -> Any: ...
+
+
+def stage_module(stage: str) -> ModuleType:
+    return importlib.import_module(f"stages.{stage}")  # importing registers the schema
+
+
 @dataclass
 class StageOutcome:
     out: str
@@ -38,18 +54,20 @@ class StageOutcome:
     metrics: dict[str, Any] = field(default_factory=dict)
     headline: str = ""
     seconds: float = 0.0
+    versions: dict[str, str] = field(default_factory=dict)  # of the packages that made it (manifest)
 
 
 def stage_config(stage: str, config: dict[str, Any]):
     """The stage's schema merged with the config, so a job re-checks every key and type it was handed."""
-    module = importlib.import_module(f"stages.{stage}")  # importing registers the schema
+    module = stage_module(stage)
     schema = ConfigStore.instance().load(f"schema/{stage}.yaml").node
     return module, OmegaConf.merge(schema, config)
 
 
 def outcome_from_manifest(out: Path, hit: bool, seconds: float) -> StageOutcome:
     manifest = read_manifest(out) or {}
-    return StageOutcome(str(out), hit, manifest.get("metrics", {}), manifest.get("headline", ""), seconds)
+    return StageOutcome(str(out), hit, manifest.get("metrics", {}), manifest.get("headline", ""), seconds,
+                        manifest.get("versions", {}))
 
 
 def run_stage(stage: str, config: dict[str, Any]) -> StageOutcome:
@@ -91,7 +109,7 @@ def run_ranks(stage: str, config: dict[str, Any]) -> StageOutcome:
     if os.environ.get("SLURM_CPUS_PER_TASK"):  # no oversubscription where Slurm does not bind tasks to cores
         torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
     module, cfg = stage_config(stage, config)
-    if not hasattr(module, "run_rank"):
+    if not isinstance(module, RankedStage):
         raise RegraftError(None, f"stage {stage} runs as one task, this job has {ranks.world_size}",
                            f"drop tasks_per_node for {stage} from launcher.per_stage")
     module.init_distributed(True, cfg.seed)
@@ -130,7 +148,8 @@ class Resumable:
         self.function = function
 
     def __call__(self, stage: str, config: dict[str, Any]) -> StageOutcome:
-        stopped = getattr(importlib.import_module(f"stages.{stage}"), "Preempted", ())
+        module = stage_module(stage)
+        stopped = module.Preempted if isinstance(module, RankedStage) else ()
         try:
             return self.function(stage, config)
         except stopped as exc:

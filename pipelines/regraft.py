@@ -7,8 +7,12 @@ of this invocation's MLflow run, and the run ends with a table, `summary.json` a
     regraft                                          # the built-in example: world, probe, remap, finetunes, evaluate
     regraft finetune.lr=1e-3 remap.fallback=mean     # any stage option
     regraft -m finetune.lr=1e-3,3e-3 finetune.init=remap,scratch   # a sweep; shared stages run once
+    regraft debug=tiny                              # the whole pipeline in about a minute (conf/debug/tiny.yaml)
     regraft launcher=inline                          # every stage in this process (debugging)
     python -m pipelines.regraft --cfg job            # print the composed config
+
+`run_pipeline(cfg, ...)` is the pipeline itself (tests call it); `main` is the command around it: signals, the
+terminal, exit codes.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -26,23 +31,23 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-import pipelines.schema  # noqa: F401  (registers the pipeline-level schemas)
+import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
 from pipelines.cache import keys_for
 from pipelines.dag import REFERENCE, build_nodes
-from pipelines.dispatch import make_launcher
-from pipelines.runner import Interrupts, pending, run_dag
+from pipelines.launchers import make_launcher
+from pipelines.runner import Interrupts, NodeResult, pending, run_dag
 from pipelines.summary import headline_numbers, plot, stage_table, story_table, write_summary
 from pipelines.tracking import Tracker
-from stages import compare, evaluate, features, finetune, probe, remap, vocab_map, world  # noqa: F401  (schemas)
-from stages.common.cli import CONF_DIR
 from stages.common.errors import RegraftError
-from stages.world import TINY_WORLD_OVERRIDES
+from stages.common.stage import CONF_DIR
 
-# The whole pipeline at seconds scale, for tests and benchmarks: `regraft <these>` takes about a minute on 2 cores.
-TINY_OVERRIDES = [f"world.{override}" for override in TINY_WORLD_OVERRIDES] + [
-    "vocab_map.draft_vocab_size=128", "features.batch_size=8", "finetune.max_steps=4", "finetune.micro_batch_size=4",
-    "finetune.ttt_steps=3", "finetune.max_length=64", "finetune.log_every=1", "probe.num_prompts=2",
-    "probe.max_new_tokens=12"]
+
+@dataclass
+class PipelineResult:
+    results: dict[str, NodeResult]  # by node name, in DAG order
+    summary: dict  # what summary.json holds
+    plots: list[Path]
+    mlflow_ui: str | None = None  # the command that opens the MLflow UI on this run's store
 
 
 def check_given_inputs(cfg: DictConfig) -> None:
@@ -80,21 +85,19 @@ def invocation_name(run_dir: Path) -> str:
     return "/".join(run_dir.parts[-2:]) if run_dir.parent.name not in ("runs",) else run_dir.name
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    start, console = time.perf_counter(), Console()
-    run_dir = Path(cfg.paths.run)
+def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console | None = None
+                 ) -> PipelineResult:
+    """Every stage of the DAG, from the cache or run; MLflow runs closed with the right status whatever happens.
+
+    Raises RegraftError for bad input or a failed stage, KeyboardInterrupt when interrupted.
+    """
+    start, console = time.perf_counter(), console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
-    overrides = list(HydraConfig.get().overrides.task)
     tracker = None
-    # SIGTERM (`kill`, a scheduler ending regraft's own job) ends a run as Ctrl-C does: stage jobs are cancelled
-    # (scancel on Slurm) and the MLflow runs marked KILLED, not left running with nobody to collect them
-    for number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(number, Interrupts.handler)
     try:
         check_given_inputs(cfg)
         nodes = build_nodes(cfg)
-        limit_threads(threads_per_stage(cfg.launcher.get("threads"), cfg.launcher.get("max_parallel")))
+        limit_threads(threads_per_stage(cfg.launcher.threads, cfg.launcher.max_parallel))
         launcher = make_launcher(cfg.launcher, run_dir / "jobs")
         keys = keys_for(nodes)
         launcher.prepare(pending(nodes, keys, Path(cfg.paths.cache)))  # a warm interpreter imports while MLflow starts
@@ -102,27 +105,41 @@ def main(cfg: DictConfig) -> None:
             tracker = Tracker(cfg.tracking, invocation_name(run_dir),
                               tags={"overrides": " ".join(overrides) or "(defaults)", "run_dir": str(run_dir)})
         results = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
-                          cfg.launcher.get("max_parallel"), keys)
+                          cfg.launcher.max_parallel, keys)
+    except BaseException as exc:
+        if tracker is not None:
+            tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", {}, {}, [])
+        raise
+    summary = write_summary(run_dir, results, OmegaConf.to_container(cfg, resolve=True), overrides,
+                            time.perf_counter() - start)
+    plots = plot(summary["stages"], run_dir)
+    if tracker is not None:
+        params = dict(override.split("=", 1) for override in overrides if "=" in override)
+        tracker.finish("FINISHED", params, headline_numbers(summary["stages"]), [run_dir / "summary.json", *plots])
+    return PipelineResult(results, summary, plots, tracker.ui_command() if tracker else None)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    console = Console()
+    # SIGTERM (`kill`, a scheduler ending regraft's own job) ends a run as Ctrl-C does: stage jobs are cancelled
+    # (scancel on Slurm) and the MLflow runs marked KILLED, not left running with nobody to collect them
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, Interrupts.handler)
+    run_dir = Path(cfg.paths.run)
+    try:
+        done = run_pipeline(cfg, run_dir, list(HydraConfig.get().overrides.task), console)
     except RegraftError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        if tracker is not None:
-            tracker.finish("FAILED", {}, {}, [])
         sys.exit(1)
     except KeyboardInterrupt:
         console.print("[red]interrupted:[/red] the running stages were cancelled; the same command resumes from "
                       "the complete ones", highlight=False)
-        if tracker is not None:
-            tracker.finish("KILLED", {}, {}, [])
         sys.exit(130)
-    summary = write_summary(run_dir, results, OmegaConf.to_container(cfg, resolve=True), overrides,
-                            time.perf_counter() - start)
-    plots = plot(summary["stages"], run_dir)
-    console.print(stage_table(results))
-    console.print(story_table(summary["numbers"]))
-    if tracker is not None:
-        params = dict(override.split("=", 1) for override in overrides if "=" in override)
-        tracker.finish("FINISHED", params, headline_numbers(summary["stages"]), [run_dir / "summary.json", *plots])
-        console.print(f"MLflow: {tracker.ui_command()}", highlight=False)
+    console.print(stage_table(done.results))
+    console.print(story_table(done.summary["numbers"]))
+    if done.mlflow_ui:
+        console.print(f"MLflow: {done.mlflow_ui}", highlight=False)
     console.print(f"summary: {run_dir / 'summary.json'}", highlight=False)
 
 

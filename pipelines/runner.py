@@ -16,9 +16,10 @@ from rich.console import Console
 
 from pipelines.cache import is_complete, keys_for, output_dir
 from pipelines.dag import Node, check_graph, resolve
-from pipelines.dispatch import Launcher
+from pipelines.launchers import Launcher
 from pipelines.jobs import StageOutcome, outcome_from_manifest
 from pipelines.tracking import Tracker
+from stages.common.artifacts import package_versions
 from stages.common.errors import RegraftError
 
 
@@ -35,6 +36,8 @@ class NodeResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     headline: str = ""
     job_id: str = ""
+    versions_note: str = ""  # a hit made under other package versions than this run's: which ones
+
 
     @property
     def overhead_seconds(self) -> float:
@@ -77,6 +80,13 @@ class Interrupts:
                 raise KeyboardInterrupt(f"signal {number}")
 
 
+def versions_note(made_with: dict[str, str]) -> str:
+    """'torch 2.12.0 (now 2.13.0)' for every package whose version differs from this interpreter's."""
+    now = package_versions()
+    return ", ".join(f"{name} {made_with[name]} (now {now.get(name, 'absent')})" for name in sorted(made_with)
+                     if made_with[name] != now.get(name))
+
+
 def pending(nodes: list[Node], keys: dict[str, str], cache_root: Path) -> list[Node]:
     """The nodes without a complete output now: what a run will dispatch unless a sweep member gets there first."""
     return [node for node in nodes if not is_complete(output_dir(cache_root, node.stage, keys[node.name]))]
@@ -94,13 +104,16 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
     waiting = list(nodes)
 
     def record(node: Node, outcome: StageOutcome, started: float, run_id: str | None, job_id: str = "") -> None:
+        note = versions_note(outcome.versions) if outcome.hit else ""
         if tracker is not None and run_id is not None:
-            tracker.finish_stage(run_id, outcome, job_id=job_id)
+            tracker.finish_stage(run_id, outcome, job_id=job_id, versions_note=note)
         results[node.name] = NodeResult(node.name, node.stage, node.phase, keys[node.name], outcome.out, outcome.hit,
                                         outcome.seconds, time.perf_counter() - started, outcome.metrics,
-                                        outcome.headline, job_id)
+                                        outcome.headline, job_id, note)
         state = "cached" if outcome.hit else f"done in {outcome.seconds:.1f} s"
         console.print(f"[green]{node.name:>18}[/green] {state}: {outcome.headline}", highlight=False)
+        if note:
+            console.print(f"[yellow]{'':>18}[/yellow] cached under other package versions: {note}", highlight=False)
 
     def dispatchable(node: Node) -> bool:
         if max_parallel and len(running) >= max_parallel:

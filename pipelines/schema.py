@@ -1,11 +1,24 @@
-"""Typed schemas of the pipeline-level config groups (the stages register their own)."""
+"""Typed schemas of the pipeline-level config: the inputs (target, source, data), the launcher, tracking, and the
+root config itself (conf/config.yaml pulls `/schema/regraft`), so a typo anywhere fails at composition.
+
+The stages register their own schemas (stages/<stage>); their defaults live there, once.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from stages.common.cli import register_schema
+from stages.common.stage import register_schema
+from stages.compare import CompareConfig
+from stages.features import FeaturesConfig
+from stages.finetune import FinetuneConfig
+from stages.probe import ProbeConfig
+from stages.remap import RemapConfig
+from stages.vocab_map import VocabMapConfig
+from stages.world import WorldConfig
 
 
 @dataclass
@@ -15,16 +28,101 @@ class TargetConfig:
 
 
 @dataclass
+class SourceBuild:
+    """How regraft trains the built-in world's source drafter itself (source=toy): a vocab_map of `draft_vocab_size`
+    on `data`, then a from-scratch finetune on `target` (the finetune stage's defaults plus these)."""
+
+    target: str = "@world/target_a"
+    data: str = "@world/data_a.jsonl"
+    draft_vocab_size: int = 1024
+    steps: int = 60
+    ttt_steps: int = 3
+    lr: float = 3e-3
+    micro_batch_size: int = 8
+    max_length: int = 96
+    val_fraction: float = 0.02
+    seed: int = 0
+
+
+@dataclass
 class SourceConfig:
-    path: str = MISSING  # drafter folder, sglang or speculators layout, or @world/drafter_a
+    path: str = MISSING  # drafter folder, sglang or speculators layout, or @source_drafter/drafter
+    build: Optional[SourceBuild] = None  # set only for a drafter regraft trains itself (the built-in world's)
 
 
 @dataclass
 class DataConfig:
     train: str = MISSING  # chat JSONL for vocab_map, features and finetune
-    prompts: str = "builtin"  # chat JSONL whose user turns probe and evaluate ask, or builtin
+    prompts: str = "builtin"  # chat JSONL whose user turns the probe asks (phase 0 and 1), or builtin
+
+
+class LauncherName(str, Enum):
+    local = "local"  # submitit's local executor: one process per stage on this machine
+    slurm = "slurm"  # one Slurm job per stage, chained by afterok dependencies
+    inline = "inline"  # every stage in this process (debugging)
+
+
+@dataclass
+class LauncherConfig:
+    name: LauncherName = MISSING
+    poll_s: float = 0.2  # how often the orchestrator looks at running jobs
+    resources: dict[str, Any] = field(default_factory=dict)  # submitit parameters for every job
+    per_stage: dict[str, Any] = field(default_factory=dict)  # the same, by node name, over `resources`
+    max_parallel: Optional[int] = None  # stage jobs at once (local, inline); None: no limit
+    threads: Optional[int] = None  # torch threads per stage; None: cores // max_parallel
+    warm: bool = False  # local: jobs fork from one interpreter that imported torch and the stages once
+    python: Optional[str] = None  # slurm: the command that runs Python in a job; None: this interpreter
+    max_num_timeout: int = 3  # slurm: requeues of a resumable stage (finetune) at its time limit
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True  # false: no MLflow at all
+    uri: str = "sqlite:///${paths.outputs}/mlflow.db"  # any tracking URI works (http://host:5000, databricks, ...)
+    experiment: str = "regraft"
+    artifact_location: str = "${paths.outputs}/mlartifacts"
+    copy_checkpoints: bool = False  # big checkpoints are recorded by path and sha256, not copied into the store
+    max_artifact_mb: float = 20.0  # files larger than this are recorded, not copied
+
+
+@dataclass
+class PipelineSwitches:
+    probe: bool = True  # phase 0: the source drafter on the new target, as it is
+    offline: bool = True  # features once, then fine-tunes read them (false: the target runs in every step)
+    baseline: bool = True  # a from-scratch fine-tune + evaluate beside the remapped one
+    evaluate: bool = True  # phase 1: the fine-tuned drafters, measured as the probe measures
+
+
+@dataclass
+class Paths:
+    outputs: str = "outputs"
+    cache: str = "${paths.outputs}/cache"  # content-addressed stage outputs, shared by every run and sweep
+    run: str = "${hydra:runtime.output_dir}"  # this run's summary, plots and job logs
+
+
+@dataclass
+class RegraftConfig:
+    """The root: one field per config group (filled by conf/config.yaml's defaults list) and the pipeline's own."""
+
+    world: WorldConfig = MISSING
+    target: TargetConfig = MISSING
+    source: SourceConfig = MISSING
+    data: DataConfig = MISSING
+    probe: ProbeConfig = MISSING
+    vocab_map: VocabMapConfig = MISSING
+    compare: CompareConfig = MISSING
+    remap: RemapConfig = MISSING
+    features: FeaturesConfig = MISSING
+    finetune: FinetuneConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    tracking: TrackingConfig = MISSING
+    pipeline: PipelineSwitches = field(default_factory=PipelineSwitches)
+    paths: Paths = field(default_factory=Paths)
 
 
 register_schema("target", TargetConfig)
 register_schema("source", SourceConfig)
 register_schema("data", DataConfig)
+register_schema("launcher", LauncherConfig)
+register_schema("tracking", TrackingConfig)
+register_schema("regraft", RegraftConfig)

@@ -19,9 +19,6 @@ from rich.table import Table
 from pipelines.runner import NodeResult
 from stages.common.artifacts import write_json_atomic
 
-FINETUNES = (("finetune", "evaluate"), ("baseline_finetune", "baseline_evaluate"))
-
-
 def fmt(value: Any, digits: int = 3) -> str:
     if value is None:
         return "-"

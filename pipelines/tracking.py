@@ -119,10 +119,12 @@ class Tracker:
         return run.info.run_id
 
     def finish_stage(self, run_id: str, outcome: StageOutcome | None, error: str | None = None,
-                     job_id: str = "", log: str = "", status: str = "FAILED") -> None:
+                     job_id: str = "", log: str = "", status: str = "FAILED", versions_note: str = "") -> None:
         """A stage's results into its child run; without an outcome, `error` and `status` (FAILED or KILLED)."""
         if job_id:
             self.client.set_tag(run_id, "job_id", job_id)
+        if versions_note:
+            self.client.set_tag(run_id, "versions_differ", versions_note)
         if log:
             self.client.set_tag(run_id, "job_log", log)
         if outcome is None:

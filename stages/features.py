@@ -1,9 +1,8 @@
 """features stage: run the target once over the training data and cache what the drafter trains on.
 
 In: the target model folder, chat JSONL, and the aux layers (from a drafter's config, or given).
-Out: `features-NNNNN.safetensors` shards holding `input_ids`, `attention_mask`, `loss_mask` [n, L], `aux_hidden`
-[n, L, 3H] and `last_hidden` [n, L, H] (after the final norm, so logits = lm_head(last_hidden)), and a manifest with
-the aux layer ids (output-of-layer convention). A sweep of N fine-tunes (`finetune.features=DIR`) then runs the
+Out: `features-NNNNN.safetensors` shards (stages/common/feature_shards.py) and a manifest with the aux layer ids
+(output-of-layer convention). A sweep of N fine-tunes (`finetune.features=DIR`) then runs the
 expensive target forward once instead of N times.
 
     python -m stages.features target=DIR data=FILE drafter=DRAFTER out=DIR
@@ -19,14 +18,13 @@ import torch
 from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
-from stages.common.artifacts import read_manifest, staged_output
+from stages.common.artifacts import staged_output
 from stages.common.chat import load_tokenizer, tokenized_chats
-from stages.common.checkpoint import OUTPUT_OF_LAYER, DrafterCheckpoint, convert_aux_layer_ids
-from stages.common.cli import StageResult, register_schema, stage_main
-from stages.common.errors import RegraftError
+from stages.common.checkpoint import DrafterCheckpoint
+from stages.common.drafter_config import OUTPUT_OF_LAYER, aux_layer_ids_for, convert_aux_layer_ids
+from stages.common.feature_shards import shard_path, write_shard
+from stages.common.stage import StageResult, register_schema, stage_main
 from stages.common.target import TargetModel
-from stages.common.tensor_io import SafetensorsFiles, spec_of, write_safetensors
-from stages.common.toy import toy_aux_layer_ids
 
 
 @dataclass
@@ -37,9 +35,9 @@ class FeaturesConfig:
     drafter: Optional[str] = None  # take the aux layers (and convention) from this drafter's config
     aux_layer_ids: Optional[list[int]] = None  # or give them, in the output-of-layer convention
     trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
-    max_length: int = 256
-    batch_size: int = 8
-    rows_per_shard: int = 512
+    max_length: int = 256  # tokens per conversation, as the fine-tunes will truncate them
+    batch_size: int = 8  # conversations per target forward
+    rows_per_shard: int = 512  # conversations per safetensors shard
 
 
 register_schema("features", FeaturesConfig)
@@ -53,7 +51,7 @@ def aux_layers(cfg: DictConfig) -> list[int]:
             return convert_aux_layer_ids(config.aux_layer_ids, config.aux_convention, OUTPUT_OF_LAYER)
     if cfg.aux_layer_ids:
         return list(cfg.aux_layer_ids)
-    return toy_aux_layer_ids(json.loads((Path(cfg.target) / "config.json").read_text())["num_hidden_layers"])
+    return aux_layer_ids_for(json.loads((Path(cfg.target) / "config.json").read_text())["num_hidden_layers"])
 
 
 def run(cfg: DictConfig) -> StageResult:
@@ -69,27 +67,12 @@ def run(cfg: DictConfig) -> StageResult:
             pending.append({**batch, "aux_hidden": features.aux_hidden, "last_hidden": features.last_hidden})
             if sum(p["input_ids"].shape[0] for p in pending) >= cfg.rows_per_shard or start + cfg.batch_size >= count:
                 merged = {name: torch.cat([p[name] for p in pending]) for name in pending[0]}
-                write_safetensors(staged.path / f"features-{shard:05d}.safetensors",
-                                  [spec_of(name, tensor.contiguous()) for name, tensor in merged.items()])
+                write_shard(shard_path(staged.path, shard), merged)
                 shard, pending = shard + 1, []
         metrics = {"rows": count, "shards": shard, "tokens": int(rows["attention_mask"].sum())}
         staged.update(metrics=metrics, aux_layer_ids=layer_ids, aux_convention=OUTPUT_OF_LAYER,
                       max_length=cfg.max_length, target=str(Path(cfg.target).absolute()))
     return StageResult(Path(cfg.out), metrics, f"{count} conversations, {shard} shards")
-
-
-def load_features(path: str | Path, aux_layer_ids: list[int], max_length: int) -> dict[str, torch.Tensor]:
-    """Every cached row, checked against what the training expects (aux layers, output convention)."""
-    manifest = read_manifest(path)
-    if manifest is None or manifest.get("stage") != "features":
-        raise RegraftError(path, "not a complete features stage output", "run python -m stages.features first")
-    if manifest["aux_layer_ids"] != list(aux_layer_ids) or manifest["max_length"] != max_length:
-        raise RegraftError(path, f"cached for aux layers {manifest['aux_layer_ids']} and max_length "
-                           f"{manifest['max_length']}, training wants {list(aux_layer_ids)} and {max_length}",
-                           "rebuild the features for this drafter")
-    shards = sorted(Path(path).glob("features-*.safetensors"))
-    tensors = [SafetensorsFiles.open_file(shard) for shard in shards]
-    return {name: torch.cat([files.get(name) for files in tensors]) for name in tensors[0].names()}
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""probe stage: accept_len and tok/s of a drafter on a target, as it is (phase 0). `evaluate` (phase 1) is the same
-measurement of a fine-tuned drafter (stages/evaluate.py).
+"""probe stage: accept_len and tok/s of a drafter on a target. The pipeline runs it as three nodes with the same
+settings: `probe` (phase 0, the source drafter as it is), `evaluate` (phase 1, the fine-tuned drafter) and
+`baseline_evaluate` (the from-scratch one), so the phases are one measurement of different drafters.
 
 In: `target` (an HF model folder), `drafter` (a checkpoint in either layout, or a finetune output holding
 `drafter/`), `prompts` (`builtin` or a JSONL of chats whose user turns are asked one after another).
 Backends: `hf` runs greedy speculative decoding here and checks every answer against plain greedy decoding
-(`lossless` must be 1: a mismatch stops the stage); `sglang` starts (or uses) an SGLang server and reads
+(a mismatch stops the stage with the conversation, turn and token); `sglang` starts (or uses) an SGLang server and reads
 `completion_tokens / spec_verify_ct` from its `meta_info`.
 Out: `per_prompt.csv`, `report.json`, `acceptance.png` (hf), `server.log` (sglang) and `manifest.json`.
 
@@ -25,7 +26,7 @@ from tqdm import tqdm
 
 from stages.common.artifacts import staged_output
 from stages.common.chat import load_tokenizer, read_conversations
-from stages.common.cli import StageResult, register_schema, stage_main
+from stages.common.stage import StageResult, register_schema, stage_main
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.sglang_backend import SglangConfig, accept_length, aux_convention_warning, run_sglang
@@ -141,7 +142,7 @@ def measure_hf(cfg: DictConfig, conversations: list[list[str]], tokenizer, draft
         rows.append({"conversation": c, "turn": t, "prompt_tokens": len(prompt),
                      "completion_tokens": len(spec.tokens), "verify_steps": spec.target_forwards,
                      "accept_len": round(spec.accept_len, 4), "seconds": round(spec.seconds, 4),
-                     "plain_seconds": round(plain.seconds, 4), "lossless": 1, "text": answer})
+                     "plain_seconds": round(plain.seconds, 4), "text": answer})
     return rows, accepted
 
 
@@ -159,14 +160,14 @@ def summarise(rows: list[dict], accepted: list[int], num_steps: int, backend: Ba
                "completion_tokens": tokens, "turns": len(rows), "num_steps": num_steps}
     if backend is Backend.hf:
         plain_seconds = sum(row["plain_seconds"] for row in rows)
-        metrics.update(plain_tok_s=tokens / plain_seconds, speedup=plain_seconds / seconds, lossless=1)
+        metrics.update(plain_tok_s=tokens / plain_seconds, speedup=plain_seconds / seconds)
         for position in range(num_steps):
             rate = sum(a > position for a in accepted) / max(len(accepted), 1)
             metrics[f"accept_rate_{position + 1}"] = rate
     return metrics
 
 
-def plot_acceptance(metrics: dict[str, float], num_steps: int, path: Path, title: str) -> None:
+def plot_acceptance(metrics: dict[str, float], num_steps: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,7 +177,7 @@ def plot_acceptance(metrics: dict[str, float], num_steps: int, path: Path, title
     figure, axes = plt.subplots(figsize=(5, 3.2))
     axes.bar(range(1, num_steps + 1), rates, color="tab:blue")
     axes.set(xlabel="draft position", ylabel="accepted share of verify steps", ylim=(0, 1),
-             title=f"{title}: accept_len {metrics['accept_len']:.2f}")
+             title=f"accept_len {metrics['accept_len']:.2f}")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -189,8 +190,7 @@ def write_rows(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def measure(cfg: DictConfig, stage: str = "probe") -> StageResult:
-    """The probe measurement; `stage` names the manifest (probe or evaluate)."""
+def run(cfg: DictConfig) -> StageResult:
     backend, drafter_path = Backend(cfg.backend), drafter_dir(cfg.drafter)
     if backend is Backend.hf and (cfg.topk != 1):
         raise RegraftError(None, "the hf backend drafts a chain (topk 1)", "set topk=1, or use backend=sglang")
@@ -203,7 +203,7 @@ def measure(cfg: DictConfig, stage: str = "probe") -> StageResult:
     warning = aux_convention_warning(drafter_config, "sglang") if backend is Backend.sglang else None
     if warning:
         print(f"warning: {warning}")
-    with staged_output(cfg.out, stage, cfg) as staged:
+    with staged_output(cfg.out, "probe", cfg) as staged:
         accepted: list[int] = []
         if backend is Backend.hf:
             rows, accepted = measure_hf(cfg, conversations, tokenizer, drafter_path)
@@ -212,19 +212,15 @@ def measure(cfg: DictConfig, stage: str = "probe") -> StageResult:
         metrics = summarise(rows, accepted, cfg.num_steps, backend)
         write_rows(rows, staged.path / "per_prompt.csv")
         if backend is Backend.hf:
-            plot_acceptance(metrics, cfg.num_steps, staged.path / "acceptance.png", stage)
+            plot_acceptance(metrics, cfg.num_steps, staged.path / "acceptance.png")
         headline = f"accept_len {metrics['accept_len']:.2f} at {cfg.num_steps} draft steps, " \
                    f"{metrics['tok_s']:.0f} tok/s"
         if backend is Backend.hf:
-            headline += f" vs {metrics['plain_tok_s']:.0f} plain ({metrics['speedup']:.2f}x), lossless"
+            headline += f" vs {metrics['plain_tok_s']:.0f} plain ({metrics['speedup']:.2f}x), lossless on {len(rows)} turns"
         (staged.path / "report.json").write_text(json.dumps(
             {"metrics": metrics, "drafter": str(drafter_path), "aux_warning": warning}, indent=2))
         staged.update(metrics=metrics, headline=headline)
     return StageResult(Path(cfg.out), metrics, headline)
-
-
-def run(cfg: DictConfig) -> StageResult:
-    return measure(cfg, "probe")
 
 
 if __name__ == "__main__":

@@ -25,12 +25,11 @@ from omegaconf import MISSING, DictConfig
 
 from stages.common.artifacts import staged_output
 from stages.common.checkpoint import DrafterCheckpoint, write_drafter
-from stages.common.cli import StageResult, register_schema, stage_main
+from stages.common.stage import StageResult, register_schema, stage_main
 from stages.common.errors import RegraftError
 from stages.common.tensor_io import ROWS_PER_CHUNK, TensorSpec, spec_of
 from stages.common.verifier import Verifier
-from stages.common.vocab import VocabMap, load_vocab_map
-from stages.compare import compare_vocab_maps
+from stages.common.vocab import RemapPlan, VocabMap, compare_vocab_maps, load_vocab_map
 
 class Fallback(str, Enum):
     verifier = "verifier"
@@ -50,36 +49,13 @@ class RemapConfig:
     vocab_map: str = MISSING  # destination map: vocab_map folder, SpecForge .pt, or a drafter checkpoint
     verifier: Optional[str] = None  # target model folder; needed by fallback=verifier and verifier_lm_head
     out: str = MISSING
-    fallback: Fallback = Fallback.verifier
+    fallback: Fallback = Fallback.verifier  # rows the source vocab lacks: verifier | random | mean
     match_source_scale: bool = False  # rescale verifier rows to the mean row norm of the source lm_head
-    layout: OutputLayout = OutputLayout.source
+    layout: OutputLayout = OutputLayout.source  # output layout: source | sglang | speculators
     seed: int = 0  # for fallback=random
 
 
 register_schema("remap", RemapConfig)
-
-
-@dataclass(frozen=True)
-class RemapPlan:
-    """Where each destination row comes from: a source draft position, or -1 for the fallback."""
-
-    source_rows: torch.Tensor  # int64 [N_dst]
-    dest_ids: torch.Tensor  # int64 [N_dst], target ids of the destination positions
-
-    @classmethod
-    def between(cls, source: VocabMap, dest: VocabMap) -> "RemapPlan":
-        size = max(source.vocab_size, dest.vocab_size)
-        position_of = torch.full((size,), -1, dtype=torch.int64)
-        position_of[source.target_ids] = torch.arange(source.draft_vocab_size)
-        return cls(position_of[dest.target_ids], dest.target_ids)
-
-    @property
-    def remapped(self) -> int:
-        return int((self.source_rows >= 0).sum())
-
-    @property
-    def from_fallback(self) -> int:
-        return self.source_rows.numel() - self.remapped
 
 
 @dataclass(frozen=True)

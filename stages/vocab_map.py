@@ -4,9 +4,10 @@ In: a target tokenizer folder (with a chat template) and chat JSONL (`{"messages
 Out: `vocab_map.safetensors` (`d2t` int64 [N], `t2d` bool [V], `token_counts` int64 [V]), `coverage.png`,
 and `manifest.json` (sizes, token counts, coverage: the share of assistant tokens the draft vocab covers).
 
-Only loss-masked tokens count: the assistant turns as the chat template renders them. The top N ids win
-(ties: lower id first; ids that never occur pad the set from the low end), sorted ascending, and
-`d2t[i] = target_id[i] - i`, exactly as SpecForge, EAGLE and speculators build it.
+Only loss-masked tokens count: the assistant turns as the chat template renders them. The top N ids win, sorted
+ascending, and `d2t[i] = target_id[i] - i`, as SpecForge, EAGLE and speculators build it. Ties break by lower id
+and ids that never occur pad the set from the low end (speculators' rule; SpecForge breaks ties by first appearance
+in its shuffled data, which no rerun reproduces, so regraft's map depends on the counts alone).
 
     python -m stages.vocab_map tokenizer=DIR data=FILE draft_vocab_size=N out=DIR
 """
@@ -23,11 +24,11 @@ from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
 from stages.common.artifacts import staged_output
-from stages.common.cli import StageResult, register_schema, stage_main
+from stages.common.stage import StageResult, register_schema, stage_main
 from stages.common.chat import batched, encode_chats, load_tokenizer, read_conversations
 from stages.common.errors import RegraftError
 from stages.common.tensor_io import spec_of, write_safetensors
-from stages.common.vocab import VOCAB_MAP_FILE, VocabMap
+from stages.common.vocab import VOCAB_MAP_FILE, build_vocab_map
 
 
 @dataclass
@@ -35,10 +36,10 @@ class VocabMapConfig:
     tokenizer: str = MISSING  # HF tokenizer folder of the target, with a chat template
     data: str = MISSING  # chat JSONL, one {"messages": [...]} per line
     out: str = MISSING
-    draft_vocab_size: int = 32000
+    draft_vocab_size: int = 32000  # the field's default (Llama-3 and Kimi drafters); the toy world uses 1024
     vocab_size: Optional[int] = None  # target vocab; None: the tokenizer folder's config.json, else the tokenizer
     max_length: Optional[int] = None  # truncate each conversation to this many tokens, as training will
-    batch_size: int = 256
+    batch_size: int = 256  # conversations tokenized per batch
     trust_remote_code: bool = False  # run the tokenizer code in its folder (Kimi's tiktoken tokenizer needs it)
 
 
@@ -69,15 +70,6 @@ def count_assistant_tokens(tokenizer, conversations: Iterator[list[dict]], vocab
         progress.update(len(batch))
     progress.close()
     return TokenCounts(counts, seen, tokens_total)
-
-
-def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int, source: str = "<counts>") -> VocabMap:
-    """Top-N ids by count (a stable sort puts lower ids first among ties and pads with unseen low ids)."""
-    if draft_vocab_size > counts.numel():
-        raise RegraftError(source, f"draft_vocab_size {draft_vocab_size} exceeds the target vocab {counts.numel()}",
-                           "choose a smaller draft_vocab_size")
-    chosen = torch.sort(counts, descending=True, stable=True).indices[:draft_vocab_size]
-    return VocabMap.from_target_ids(chosen.sort().values, counts.numel(), token_counts=counts, source=source)
 
 
 def resolve_vocab_size(cfg_vocab_size: int | None, tokenizer, tokenizer_dir: Path) -> tuple[int, str]:

@@ -14,9 +14,11 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from stages import finetune, vocab_map  # noqa: E402
-from stages.common import toy  # noqa: E402
-from stages.common.cli import compose_stage  # noqa: E402
+from stages.common.drafter_config import drafter_config_for  # noqa: E402
+from stages.common.eagle3 import Eagle3Drafter  # noqa: E402
+from stages.common.stage import compose_stage  # noqa: E402
 from stages.common.vocab import VocabMap  # noqa: E402
+from stages.world import toy  # noqa: E402
 
 USER_WORDS = "alpha bravo charlie kilo lima mike"
 ASSISTANT_WORDS = "zulu yankee xray whiskey victor uniform"
@@ -68,7 +70,8 @@ def random_map(vocab_size: int, size: int, seed: int) -> VocabMap:
 @pytest.fixture
 def make_drafter(target_dir, tmp_path):
     def make(vocab_map: VocabMap, name: str = "drafter", layout: str = "sglang", seed: int = 0) -> Path:
-        return toy.fresh_drafter(target_dir, vocab_map, tmp_path / name, layout=layout, seed=seed)
+        config = drafter_config_for(target_dir, vocab_map.draft_vocab_size)
+        return Eagle3Drafter.initialised(config, vocab_map, seed).save(tmp_path / name, layout)
 
     return make
 

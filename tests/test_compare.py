@@ -8,9 +8,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common.vocab import VocabMap
-from stages.compare import compare_vocab_maps
-from stages.vocab_map import build_vocab_map
+from stages.common.vocab import VocabMap, build_vocab_map, compare_vocab_maps
 
 
 def vmap(ids: list[int], vocab_size: int = 20) -> VocabMap:

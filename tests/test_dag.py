@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 import pipelines.regraft  # noqa: F401  (registers every schema)
 from pipelines.cache import keys_for
 from pipelines.dag import Node, build_nodes, check_graph, resolve
-from stages.common.cli import CONF_DIR
+from stages.common.stage import CONF_DIR
 from stages.common.errors import RegraftError
 
 
@@ -24,23 +24,37 @@ def changed(before: dict[str, str], after: dict[str, str]) -> set[str]:
 
 def test_the_default_dag_wires_every_stage_to_its_inputs():
     nodes = {node.name: node for node in nodes_for()}
-    assert list(nodes) == ["world", "probe", "vocab_map", "compare", "remap", "features", "finetune", "evaluate",
-                           "baseline_finetune", "baseline_evaluate"]
+    assert list(nodes) == ["world", "source_map", "source_drafter", "probe", "vocab_map", "compare", "remap",
+                           "features", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"]
     assert nodes["finetune"].upstream == ["features", "remap", "vocab_map", "world"]
     assert nodes["baseline_finetune"].config.init == "scratch" and nodes["baseline_finetune"].config.drafter is None
     assert nodes["evaluate"].config.drafter == "@finetune" and nodes["evaluate"].config.prompts == "@world/prompts_b.jsonl"
-    resolved = resolve(nodes["remap"].config, {"world": Path("/w"), "vocab_map": Path("/m")})
-    assert resolved.drafter == "/w/drafter_a" and resolved.vocab_map == "/m"
+    assert {nodes[name].stage for name in ("probe", "evaluate", "baseline_evaluate")} == {"probe"}
+    resolved = resolve(nodes["remap"].config, {"source_drafter": Path("/s"), "world": Path("/w"),
+                                               "vocab_map": Path("/m")})
+    assert resolved.drafter == "/s/drafter" and resolved.vocab_map == "/m" and resolved.verifier == "/w/target_b"
+
+
+def test_the_built_in_source_drafter_is_trained_by_the_finetune_stage_on_target_a():
+    nodes = {node.name: node for node in nodes_for("finetune.lr=1e-3")}
+    trained = nodes["source_drafter"]
+    assert trained.stage == "finetune" and trained.upstream == ["source_map", "world"]
+    assert (trained.config.target, trained.config.data, trained.config.init) == ("@world/target_a",
+                                                                              "@world/data_a.jsonl", "scratch")
+    assert (trained.config.lr, trained.config.max_steps, trained.config.ttt_steps) == (3e-3, 60, 3)  # not finetune.*
+    assert nodes["source_map"].stage == "vocab_map" and nodes["source_map"].config.draft_vocab_size == 1024
 
 
 @pytest.mark.parametrize("override,expected", [
     ("finetune.lr=1e-3", {"finetune", "evaluate", "baseline_finetune", "baseline_evaluate"}),
     ("remap.fallback=mean", {"remap", "finetune", "evaluate"}),
-    ("probe.num_steps=5", {"probe", "evaluate", "baseline_evaluate"}),  # evaluate measures as the probe does
+    ("probe.num_steps=5", {"probe", "evaluate", "baseline_evaluate"}),  # one measurement for both phases
     ("vocab_map.draft_vocab_size=512", {"vocab_map", "compare", "remap", "finetune", "evaluate",
                                         "baseline_finetune", "baseline_evaluate"}),
-    ("world.seed=1", {"world", "probe", "vocab_map", "compare", "remap", "features", "finetune", "evaluate",
-                      "baseline_finetune", "baseline_evaluate"}),
+    ("source.build.steps=30", {"source_drafter", "probe", "compare", "remap", "features", "finetune", "evaluate",
+                               "baseline_finetune", "baseline_evaluate"}),  # features reads its aux layers
+    ("world.seed=1", {"world", "source_map", "source_drafter", "probe", "vocab_map", "compare", "remap",
+                      "features", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"}),
 ])
 def test_a_changed_option_changes_the_keys_downstream_only(override, expected):
     assert changed(keys_for(nodes_for()), keys_for(nodes_for(override))) == expected
@@ -50,7 +64,8 @@ def test_trusting_the_targets_code_reaches_every_stage_that_loads_it():
     loads_target = {"probe", "vocab_map", "features", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"}
     for trusted in (False, True):
         nodes = nodes_for(f"target.trust_remote_code={str(trusted).lower()}")
-        assert {node.name for node in nodes if node.config.get("trust_remote_code") is trusted} == loads_target
+        new_target = [node for node in nodes if not node.name.startswith("source_")]  # those load target A
+        assert {node.name for node in new_target if node.config.get("trust_remote_code") is trusted} == loads_target
     assert {node.name for node in nodes_for("experiment=kimi_k25") if node.config.get("trust_remote_code")} \
         == loads_target
 
@@ -60,13 +75,13 @@ def test_a_scratch_finetune_is_its_own_baseline():
     assert keys["finetune"] == keys["baseline_finetune"]
 
 
-def test_real_inputs_leave_the_world_out(tmp_path):
+def test_real_inputs_leave_the_world_and_the_built_in_drafter_out(tmp_path):
     for name in ("target", "drafter"):
         (tmp_path / name).mkdir()
     (tmp_path / "chats.jsonl").write_text("")
     nodes = nodes_for(f"target.path={tmp_path / 'target'}", f"source.path={tmp_path / 'drafter'}",
                       f"data.train={tmp_path / 'chats.jsonl'}", "data.prompts=builtin")
-    assert "world" not in [node.name for node in nodes]
+    assert not {"world", "source_map", "source_drafter"} & {node.name for node in nodes}
     before = keys_for(nodes)
     (tmp_path / "chats.jsonl").write_text('{"messages": []}\n')  # outside inputs are fingerprinted
     assert changed(before, keys_for(nodes)) >= {"vocab_map", "features", "finetune"}
@@ -74,6 +89,6 @@ def test_real_inputs_leave_the_world_out(tmp_path):
 
 def test_a_reference_to_a_later_stage_is_refused():
     nodes = nodes_for()
-    nodes[2].config.data = "@evaluate"
+    nodes[4].config.data = "@evaluate"
     with pytest.raises(RegraftError, match="@evaluate"):
         check_graph(nodes)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from stages import features, finetune, remap, vocab_map
-from stages.common import toy
-from stages.common.cli import compose_stage
+from stages.world import toy
+from stages.common.stage import compose_stage
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.vocab import VocabMap, load_vocab_map
@@ -157,3 +157,28 @@ def test_zero3_trains_and_exports_like_zero0(trained_target, chats, training_map
     b = Eagle3Drafter.from_checkpoint(tmp_path / "z3" / "drafter").state_dict()  # gathered, not empty partitions
     for name, tensor in a.items():
         assert torch.allclose(tensor, b[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("preset", ["zero0", "zero2", "zero3"])
+def test_each_deepspeed_preset_reaches_the_engine(preset):
+    """The pipeline's composed finetune config, through deepspeed_config, into a real engine."""
+    import deepspeed
+    from hydra import compose, initialize_config_dir
+
+    import pipelines.regraft  # noqa: F401  (registers every schema)
+    from stages.common.stage import CONF_DIR
+    from stages.finetune import init_distributed
+    from stages.finetune.loop import deepspeed_config
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"deepspeed={preset}"]).finetune
+    init_distributed(False, 0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                   config=deepspeed_config(cfg, total_steps=100))
+    assert engine.zero_optimization_stage() == int(preset[-1])
+    assert engine.gradient_clipping() == cfg.deepspeed.gradient_clipping == 0.5
+    assert scheduler.warmup_num_steps == int(cfg.deepspeed.warmup_ratio * 100) == 5  # the pipeline's 0.05
+    assert engine.gradient_accumulation_steps() == cfg.deepspeed.gradient_accumulation_steps
+

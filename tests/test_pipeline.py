@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.regraft import TINY_OVERRIDES as TINY
-
 ROOT = Path(__file__).resolve().parents[1]
-NODES = ["world", "probe", "vocab_map", "compare", "remap", "features", "finetune", "evaluate",
-         "baseline_finetune", "baseline_evaluate"]
+TINY = ["debug=tiny"]
+NODES = ["world", "source_map", "source_drafter", "probe", "vocab_map", "compare", "remap", "features", "finetune",
+         "evaluate", "baseline_finetune", "baseline_evaluate"]
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +73,7 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
         manifest = json.loads((Path(stage["out"]) / "manifest.json").read_text())
         assert manifest["complete"] and len(stage["key"]) == 16, name
         assert Path(stage["out"]).parent.name == stage["stage"]
-    assert stages["evaluate"]["metrics"]["lossless"] == 1 and stages["probe"]["metrics"]["lossless"] == 1
+    assert stages["source_drafter"]["metrics"]["val_full_acc_0"] > 4 / 128  # the source drafter is well above chance
     run_dir = sorted((outputs / "runs").iterdir())[-1]
     assert "serving" in (run_dir / "jobs" / "warm.log").read_text()  # the jobs forked from the warm interpreter
     assert 1.0 <= stages["evaluate"]["metrics"]["accept_len"] <= 4.0

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import evaluate, probe
-from stages.common.cli import compose_stage
+from stages import probe
+from stages.common.stage import compose_stage
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.spec_decode import SpeculativeDecoder, greedy_generate
@@ -46,10 +46,10 @@ def test_probe_is_lossless_and_ranks_drafters(trained_target, scratch_run, misal
     for name, drafter in [("good", scratch_run[0]), ("random", random_drafter), ("misaligned", misaligned_drafter)]:
         results[name] = probe.run(probe_cfg(trained_target, drafter, tmp_path / name, prompts))
         metrics = results[name].metrics
-        assert metrics["lossless"] == 1 and metrics["turns"] == 5
+        assert metrics["turns"] == 5  # each turn checked token for token against plain greedy, or the stage raises
         assert 1.0 <= metrics["accept_len"] <= 4.0
         rows = list(csv.DictReader((tmp_path / name / "per_prompt.csv").open()))
-        assert len(rows) == 5 and {row["lossless"] for row in rows} == {"1"}
+        assert len(rows) == 5
         assert metrics["accept_len"] == pytest.approx(
             sum(int(r["completion_tokens"]) for r in rows) / sum(int(r["verify_steps"]) for r in rows))
         assert metrics["accept_rate_1"] >= metrics["accept_rate_2"] >= metrics["accept_rate_3"]
@@ -58,13 +58,12 @@ def test_probe_is_lossless_and_ranks_drafters(trained_target, scratch_run, misal
     assert (tmp_path / "good" / "acceptance.png").stat().st_size > 0
 
 
-def test_evaluate_is_the_probe_measurement_on_a_finetune_output(trained_target, scratch_run, prompts, tmp_path):
+def test_a_finetune_output_is_probed_as_its_drafter(trained_target, scratch_run, prompts, tmp_path):
+    """Phase 1 hands the probe a finetune output folder; it measures the drafter/ inside it."""
     phase0 = probe.run(probe_cfg(trained_target, scratch_run[0] / "drafter", tmp_path / "p", prompts))
-    phase1 = evaluate.run(compose_stage("evaluate", [f"target={trained_target}", f"drafter={scratch_run[0]}",
-                                                     f"out={tmp_path / 'e'}", f"prompts={prompts}",
-                                                     "max_new_tokens=24"]))
+    phase1 = probe.run(probe_cfg(trained_target, scratch_run[0], tmp_path / "e", prompts))
     assert phase1.metrics["accept_len"] == phase0.metrics["accept_len"]
-    assert json.loads((tmp_path / "e" / "manifest.json").read_text())["stage"] == "evaluate"
+    assert json.loads((tmp_path / "e" / "manifest.json").read_text())["stage"] == "probe"
 
 
 class ScriptedDrafts(SpeculativeDecoder):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.common.checkpoint import INPUT_OF_LAYER, OUTPUT_OF_LAYER, DrafterConfig, render_config
+from stages.common.drafter_config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, DrafterConfig, render_config
 from stages.common.errors import RegraftError
 from stages.common.runtime import free_port
 from stages.common.sglang_backend import (SglangConfig, SglangServer, accept_length, aux_convention_warning,

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from stages import remap
 from stages.common.artifacts import read_manifest, staged_output
 from stages.common.checkpoint import DrafterCheckpoint
-from stages.common.cli import compose_stage
+from stages.common.stage import compose_stage
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.verifier import Verifier

@@ -28,22 +28,19 @@ from omegaconf import OmegaConf
 
 import pipelines.regraft  # noqa: F401  (registers every schema, for compose)
 from pipelines.dag import Node
-from pipelines.dispatch import SlurmLauncher
+from pipelines.launchers import SlurmLauncher
 from pipelines.jobs import RANK_VARIABLES
 from pipelines.slurm_jobs import job_state
-from stages.common.cli import CONF_DIR
+from stages.common.stage import CONF_DIR
 from stages.common.errors import RegraftError
-from stages.world import TINY_WORLD_OVERRIDES
 from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny world and tiny stages; every fine-tune here uses gradient accumulation 2 unless a test says otherwise
-BASE = [*(f"world.{o}" for o in TINY_WORLD_OVERRIDES), "vocab_map.draft_vocab_size=128", "finetune.max_steps=6",
-        "finetune.micro_batch_size=4", "finetune.ttt_steps=3", "finetune.max_length=64", "probe.num_prompts=3",
-        "probe.max_new_tokens=16", "features.batch_size=8", "pipeline.probe=false", "pipeline.baseline=false",
-        "finetune.log_every=1", "finetune.deepspeed.gradient_accumulation_steps=2"]
+BASE = ["debug=tiny", "finetune.max_steps=6", "probe.num_prompts=3", "probe.max_new_tokens=16", "pipeline.probe=false",
+        "pipeline.baseline=false", "finetune.deepspeed.gradient_accumulation_steps=2"]
 SWEEP_LRS = ("3e-3", "1e-2")
 
 
@@ -100,12 +97,12 @@ PREBUILD = textwrap.dedent("""
     from rich.console import Console
     import pipelines.regraft  # registers every schema
     from pipelines.dag import build_nodes
-    from pipelines.dispatch import InlineLauncher
+    from pipelines.launchers import InlineLauncher
     from pipelines.runner import run_dag
-    from stages.common.cli import CONF_DIR
+    from stages.common.stage import CONF_DIR
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=sys.argv[1:])
-    nodes = [node for node in build_nodes(cfg) if node.name in ("world", "features")]
+    nodes = [node for node in build_nodes(cfg) if node.name in ("world", "source_map", "source_drafter", "features")]
     run_dag(nodes, Path(cfg.paths.cache), InlineLauncher(cfg.launcher, Path(cfg.paths.outputs) / "prebuild"), None,
             Console(quiet=True))
 """)
@@ -113,7 +110,7 @@ PREBUILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def sweep(slurm_cluster, tmp_path_factory):  # noqa: F811
-    """world + features in one plain process, then `regraft -m finetune.lr=A,B` on Slurm (member runs 0 and 1)."""
+    """world, the source drafter and features in one plain process, then `regraft -m finetune.lr=A,B` on Slurm (member runs 0 and 1)."""
     outputs = tmp_path_factory.mktemp("slurm_pipeline")
     done = subprocess.run([sys.executable, "-c", PREBUILD, f"paths.outputs={outputs}", *BASE], cwd=ROOT,
                           env=job_env(), capture_output=True, text=True, timeout=600)
@@ -126,7 +123,7 @@ def test_stages_run_as_slurm_jobs_chained_by_afterok(sweep):
     _, (first, _) = sweep
     jobs, stages = submitted(first), summary(first)
     upstream = {"vocab_map": [], "compare": ["vocab_map"], "remap": ["vocab_map"],
-                "finetune": ["vocab_map", "remap"], "evaluate": ["finetune"]}  # world, features: cache hits
+                "finetune": ["vocab_map", "remap"], "evaluate": ["finetune"]}  # world ... features: cache hits
     assert set(jobs) == set(upstream)
     for node, ups in upstream.items():
         want = sorted(jobs[up]["job_id"] for up in ups)
@@ -134,7 +131,7 @@ def test_stages_run_as_slurm_jobs_chained_by_afterok(sweep):
         # what Slurm holds (scontrol show job, read right after sbatch): "afterok:12(unfulfilled),afterok:14(...)"
         assert sorted(re.findall(r"afterok:(\d+)", jobs[node]["dependency"])) == want, jobs[node]["dependency"]
         assert stages[node]["job_id"] == jobs[node]["job_id"] and not stages[node]["hit"]
-    assert stages["world"]["hit"] and stages["features"]["hit"]
+    assert all(stages[node]["hit"] for node in ("world", "source_map", "source_drafter", "features"))
     assert stages["evaluate"]["metrics"]["accept_len"] >= 1
 
 

@@ -5,10 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stages.common.checkpoint import INPUT_OF_LAYER, OUTPUT_OF_LAYER
+from stages.common.drafter_config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, drafter_config_for
 from stages.common.eagle3 import Eagle3Drafter, KVCache, TTTCache
 from stages.common.target import TargetModel
-from stages.common.toy import drafter_config_for
 from stages.common.ttt import shift_left, ttt_forward, ttt_metrics
 from stages.common.vocab import VocabMap
 

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from stages import vocab_map
-from stages.common.cli import compose_stage
+from stages.common.stage import compose_stage
 from stages.common.errors import RegraftError
-from stages.common.vocab import VocabMap, load_vocab_map
+from stages.common.vocab import build_vocab_map, load_vocab_map
 from tests.conftest import ASSISTANT_WORDS, USER_WORDS, make_drafter, random_map, write_chats  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,12 +81,12 @@ def test_top_n_breaks_ties_by_lower_id_and_pads_from_low_ids():
     assert build(counts, 3).tolist() == [1, 3, 6]
     assert build(counts, 4).tolist() == [1, 2, 3, 6]  # ids 2 and 5 tie at 3: the lower one wins
     assert build(counts, 8).tolist() == [0, 1, 2, 3, 4, 5, 6, 8]  # six seen ids, padded with 0 and 4
-    vmap = vocab_map.build_vocab_map(counts, 4)
+    vmap = build_vocab_map(counts, 4)
     assert vmap.d2t.tolist() == [1, 1, 1, 3] and vmap.t2d.tolist() == [0, 1, 1, 1, 0, 0, 1, 0, 0, 0]
 
 
 def build(counts: torch.Tensor, size: int) -> torch.Tensor:
-    return vocab_map.build_vocab_map(counts, size).target_ids
+    return build_vocab_map(counts, size).target_ids
 
 
 def test_manifest_reports_sizes_and_coverage(target_dir, chats, tmp_path):

@@ -1,5 +1,5 @@
-"""The world stage at seconds scale (TINY_WORLD_OVERRIDES): real formats, B is A trained further, data_b is B's own
-answers, held-out probes, A's drafter carries A's map (whose ordering differs from B's), determinism."""
+"""The world stage at seconds scale (conf/world/tiny.yaml): real formats, B is A trained further, data_b is B's own
+answers, held-out probes, A's draft vocab ordering differs from B's, determinism."""
 from __future__ import annotations
 
 import json
@@ -14,17 +14,23 @@ from safetensors.torch import load_file
 from stages import world
 from stages.common.artifacts import read_manifest
 from stages.common.chat import load_tokenizer, read_conversations
-from stages.common.cli import CONF_DIR, compose_stage
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.toy import generate_answers
-from stages.compare import compare_vocab_maps
+from stages.common.stage import CONF_DIR, compose_stage
+from stages.common.vocab import VocabMap, build_vocab_map, compare_vocab_maps
+from stages.vocab_map import count_assistant_tokens
+from stages.world.toy import generate_answers
 
-FILES = ["tokenizer", "data_a.jsonl", "target_a", "target_b", "data_b.jsonl", "prompts_b.jsonl", "drafter_a",
-         "manifest.json"]
+FILES = ["tokenizer", "data_a.jsonl", "target_a", "target_b", "data_b.jsonl", "prompts_b.jsonl", "manifest.json"]
+DRAFT_VOCAB = 128  # the tiny source drafter's (conf/debug/tiny.yaml)
 
 
 def build(out: Path, *extra: str):
-    return world.run(compose_stage("world", [*world.TINY_WORLD_OVERRIDES, f"out={out}", *extra]))
+    return world.run(compose_stage("world", [f"out={out}", *extra], option="tiny"))
+
+
+def counted_map(built: Path, data: str) -> VocabMap:
+    tokenizer = load_tokenizer(built / "tokenizer")
+    tally = count_assistant_tokens(tokenizer, read_conversations(built / data), len(tokenizer), 256)
+    return build_vocab_map(tally.counts, DRAFT_VOCAB)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,29 +63,15 @@ def test_every_output_exists_in_the_real_formats(built):
     assert load_tokenizer(built / "tokenizer").chat_template
     for name in ("data_a.jsonl", "data_b.jsonl"):
         assert all([m["role"] for m in chat] == ["user", "assistant"] for chat in rows(built / name))
-    drafter = Eagle3Drafter.from_checkpoint(built / "drafter_a")
-    assert json.loads((built / "drafter_a" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert drafter.vocab_map().draft_vocab_size == 128
     manifest = read_manifest(built)
-    for key in ("target_a_eval_loss_a", "target_b_eval_loss_b", "target_b_greedy_top1", "drafter_val_loss",
-                "drafter_val_full_acc_0", "drafter_val_sim_accept_len", "seconds_total"):
+    for key in ("target_a_eval_loss_a", "target_b_eval_loss_b", "target_b_greedy_top1", "seconds_total"):
         assert key in manifest["metrics"], key
-    assert manifest["metrics"]["drafter_val_full_acc_0"] > 1 / 128 * 4  # well above chance
-    assert manifest["metrics"]["drafter_val_sim_accept_len"] > 1.0
 
 
-def test_drafter_carries_as_map_built_from_data_a(built, cfg):
-    tokenizer = load_tokenizer(built / "tokenizer")
-    map_a = world.vocab_map_of(tokenizer, built / "data_a.jsonl", cfg["draft_vocab_size"])
-    own = Eagle3Drafter.from_checkpoint(built / "drafter_a").vocab_map()
-    assert torch.equal(own.d2t, map_a.d2t) and torch.equal(own.t2d, map_a.t2d)
-
-
-def test_drafter_map_ordering_differs_from_the_one_built_on_data_b(built, cfg):
-    tokenizer = load_tokenizer(built / "tokenizer")
-    own = Eagle3Drafter.from_checkpoint(built / "drafter_a").vocab_map()
-    comparison = compare_vocab_maps(own, world.vocab_map_of(tokenizer, built / "data_b.jsonl", cfg["draft_vocab_size"]))
-    assert comparison.shared_ids > cfg["draft_vocab_size"] // 4
+def test_a_map_counted_on_data_a_orders_draft_positions_unlike_one_counted_on_data_b(built):
+    """The cautionary tale in miniature: most ids are shared, almost no position points at the same token."""
+    comparison = compare_vocab_maps(counted_map(built, "data_a.jsonl"), counted_map(built, "data_b.jsonl"))
+    assert comparison.shared_ids > DRAFT_VOCAB // 4
     assert comparison.positions_agree < comparison.shared_ids // 4
 
 
@@ -133,7 +125,7 @@ def test_the_same_seed_builds_the_same_world(built, tmp_path):
     again = build(tmp_path / "again").out
     assert (again / "data_b.jsonl").read_bytes() == (built / "data_b.jsonl").read_bytes()
     assert (again / "prompts_b.jsonl").read_bytes() == (built / "prompts_b.jsonl").read_bytes()
-    for name in ("target_a/model.safetensors", "target_b/model.safetensors", "drafter_a/model.safetensors"):
+    for name in ("target_a/model.safetensors", "target_b/model.safetensors"):
         first, second = load_file(built / name), load_file(again / name)
         assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), name
 

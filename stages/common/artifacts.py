@@ -15,6 +15,20 @@ from pathlib import Path
 from typing import Any, Iterator
 
 MANIFEST = "manifest.json"
+# the packages whose version can change a stage's numbers; each manifest records the ones installed
+NUMERIC_PACKAGES = ("torch", "transformers", "deepspeed", "tokenizers", "safetensors", "vllm")
+
+
+def package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in NUMERIC_PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -55,7 +69,8 @@ def _replace_dir(src: Path, dst: Path) -> None:
 def staged_output(out_dir: str | Path, stage: str, config: Any = None) -> Iterator["StagedOutput"]:
     """Yield a temp folder to write into; on success the manifest is written last and the folder renamed.
 
-    `config` (the stage's resolved config) is recorded in the manifest, so an output describes how it was made.
+    `config` (the stage's resolved config) and the versions of the packages that change numbers are recorded in the
+    manifest, so an output describes how it was made.
     """
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +95,7 @@ class StagedOutput:
         self.stage = stage
         self.path = tmp
         self.final = final
-        self.manifest: dict[str, Any] = {"stage": stage, "started_at": time.time()}
+        self.manifest: dict[str, Any] = {"stage": stage, "started_at": time.time(), "versions": package_versions()}
 
     def update(self, **fields: Any) -> None:
         self.manifest.update(fields)

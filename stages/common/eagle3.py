@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.common.checkpoint import DrafterCheckpoint, DrafterConfig, Layout, write_drafter
+from stages.common.checkpoint import DrafterCheckpoint, write_drafter
+from stages.common.drafter_config import DrafterConfig, Layout
 from stages.common.vocab import VocabMap
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from stages.common.checkpoint import CONVENTIONS, INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
+from stages.common.drafter_config import CONVENTIONS, INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
 from stages.common.errors import RegraftError
 from stages.common.runtime import free_port
 

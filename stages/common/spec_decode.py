@@ -54,10 +54,6 @@ class Generation:
     def accept_len(self) -> float:
         return len(self.tokens) / max(self.target_forwards, 1)
 
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
-
 
 def target_forward(target: TargetModel, input_ids: list[int], cache) -> tuple[torch.Tensor, torch.Tensor]:
     """One cached forward over new tokens: their aux hidden states [T, 3H] and next-token logits [T, V]."""

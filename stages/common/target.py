@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stages.common.checkpoint import OUTPUT_OF_LAYER, convert_aux_layer_ids
+from stages.common.drafter_config import OUTPUT_OF_LAYER, convert_aux_layer_ids
 from stages.common.errors import RegraftError
 
 

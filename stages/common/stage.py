@@ -1,7 +1,10 @@
-"""Run one stage alone: `python -m stages.NAME key=value ...` composes `conf/NAME/` with Hydra's override grammar.
+"""What a stage is, for everything that runs one: its result, its typed config, and its command line.
 
-Composition errors (a typo in a key, a bad value) exit 2 with Hydra's message; bad input exits 1 with one
-RegraftError line; success prints the stage's summary table.
+A stage is a module under stages/ with a config dataclass registered here (`register_schema`, which makes
+`conf/NAME/*.yaml` typed) and `run(cfg) -> StageResult`: an output folder, metrics and a one-line headline. It knows
+nothing of the cache, the DAG or MLflow (pipelines/ does). `python -m stages.NAME key=value ...` composes
+`conf/NAME/default.yaml` with Hydra's override grammar (`stage_main`): composition errors (a typo in a key, a bad
+value) exit 2 with Hydra's message; bad input exits 1 with one RegraftError line; success prints the stage's table.
 """
 from __future__ import annotations
 
@@ -38,14 +41,14 @@ def register_schema(stage: str, schema: type) -> None:
     ConfigStore.instance().store(group="schema", name=stage, node=schema)
 
 
-def compose_stage(stage: str, overrides: list[str]) -> DictConfig:
-    """`conf/STAGE/default.yaml` with Hydra overrides; also from inside a running Hydra app (the pipeline)."""
+def compose_stage(stage: str, overrides: list[str], option: str = "default") -> DictConfig:
+    """`conf/STAGE/OPTION.yaml` with Hydra overrides; also from inside a running Hydra app (the pipeline)."""
     global_hydra = GlobalHydra.instance()
     running = global_hydra.hydra if global_hydra.is_initialized() else None
     global_hydra.clear()
     try:
         with initialize_config_dir(str(CONF_DIR / stage), version_base="1.3"):
-            return compose("default", overrides=overrides)
+            return compose(option, overrides=overrides)
     finally:
         if running is not None:
             GlobalHydra.instance().initialize(running)

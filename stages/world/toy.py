@@ -1,13 +1,12 @@
 """Small real artifacts for the built-in example and the tests: a byte-level BPE tokenizer with a chat template,
-a tiny Llama target saved with `save_pretrained`, a freshly initialised drafter for it, and what the world stage
-trains and queries targets with (packed chats, a step-counted training loop, held-out loss, batched generation).
+a tiny Llama target saved with `save_pretrained`, and what the world stage trains and queries targets with (packed
+chats, a step-counted training loop, held-out loss, batched generation).
 
 Everything is built locally (no downloads) and written in the very formats real models use, so the stages
 cannot tell a toy from the real thing.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -15,8 +14,6 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from stages.common.checkpoint import DrafterConfig, Layout, OUTPUT_OF_LAYER, default_aux_layer_ids
-from stages.common.vocab import VocabMap
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -62,38 +59,6 @@ def tiny_llama(tokenizer_dir: str | Path, out_dir: str | Path, hidden_size: int 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def toy_aux_layer_ids(num_layers: int) -> list[int]:
-    """The field's [1, L//2-1, L-4] (outputs of layers) collapses below 8 layers; tiny targets spread them out."""
-    if num_layers >= 8:
-        return default_aux_layer_ids(num_layers, OUTPUT_OF_LAYER)
-    return [0, num_layers // 2 - 1, num_layers - 2]
-
-
-def drafter_config_for(target_dir: str | Path, draft_vocab_size: int, intermediate_size: int | None = None) -> DrafterConfig:
-    """The config of a drafter for the target in `target_dir`: same width and heads, the field's aux layers."""
-    target = json.loads((Path(target_dir) / "config.json").read_text())
-    num_layers = int(target["num_hidden_layers"])
-    layer = {
-        "model_type": "llama", "num_hidden_layers": 1, "hidden_act": "silu",
-        "hidden_size": target["hidden_size"], "num_attention_heads": target["num_attention_heads"],
-        "num_key_value_heads": target.get("num_key_value_heads") or target["num_attention_heads"],
-        "intermediate_size": intermediate_size or target["intermediate_size"],
-        "rms_norm_eps": target.get("rms_norm_eps", 1e-6), "rope_theta": target.get("rope_theta", 10000.0),
-        "max_position_embeddings": target.get("max_position_embeddings", 2048), "vocab_size": target["vocab_size"],
-    }
-    return DrafterConfig(layer=layer, draft_vocab_size=draft_vocab_size,
-                         aux_layer_ids=toy_aux_layer_ids(num_layers), aux_convention=OUTPUT_OF_LAYER,
-                         target_num_layers=num_layers)
-
-
-def fresh_drafter(target_dir: str | Path, vocab_map: VocabMap, out_dir: str | Path, layout: Layout = "sglang",
-                  seed: int = 0) -> Path:
-    from stages.common.eagle3 import Eagle3Drafter
-
-    config = drafter_config_for(target_dir, vocab_map.draft_vocab_size)
-    return Eagle3Drafter.initialised(config, vocab_map, seed).save(out_dir, layout)
 
 
 def train_causal_lm(model_dir: str | Path, data: str | Path, out_dir: str | Path, steps: int, lr: float = 3e-3,

@@ -1,20 +1,25 @@
-"""The preflight guard: refuse to spend a fine-tune on a drafter whose lm_head points at the wrong tokens.
+"""The finetune's preflight guard: refuse to spend a fine-tune on a drafter whose lm_head points at the wrong tokens.
 
 Two checks before the first step: the drafter's own draft vocab against the training map (positions that name
 the same target id), and step-0 accuracy of the init on one batch beside the same drafter with its lm_head
-remapped in memory. Both sets of numbers are returned for logging either way.
+remapped in memory. Both sets of numbers are returned for logging either way; for init=remap the source drafter
+as it was (before the remap) is measured on the same batch too, so every run carries both ends of the story.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 
+from stages.common.artifacts import read_manifest
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
-from stages.common.vocab import VocabMap
-from stages.compare import compare_vocab_maps
+from stages.common.target import TargetHead, TargetModel
+from stages.common.vocab import RemapPlan, VocabMap, compare_vocab_maps
+from stages.finetune.loop import run_ttt
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,6 @@ class Preflight:
 
 def remapped_in_memory(drafter: Eagle3Drafter, own_map: VocabMap, training_map: VocabMap) -> Eagle3Drafter:
     """The same drafter with lm_head rows moved to the training map's positions (missing rows kept as they were)."""
-    from stages.remap import RemapPlan
-
     plan = RemapPlan.between(own_map, training_map)
     remapped = copy.deepcopy(drafter)
     have = plan.source_rows >= 0
@@ -68,3 +71,50 @@ def check(preflight: Preflight, init: str, max_misaligned: float, consent: bool,
 def compare_with_training_map(own_map: VocabMap, training_map: VocabMap) -> Preflight:
     comparison = compare_vocab_maps(own_map, training_map)
     return Preflight(comparison.positions_agree, training_map.draft_vocab_size, comparison.shared_ids)
+
+
+def init_name(cfg: DictConfig) -> str:
+    return getattr(cfg.init, "value", cfg.init)
+
+
+def preflight(cfg: DictConfig, drafter: Eagle3Drafter, own_map: VocabMap | None, training_map: VocabMap,
+              target: TargetModel | TargetHead, batch: dict[str, torch.Tensor]) -> Preflight:
+    """Step-0 numbers of the init on one batch, beside the same drafter remapped; the guard then decides."""
+    if own_map is None:
+        with torch.no_grad():
+            fresh = evaluate_batch(drafter, target, batch, cfg.ttt_steps)
+        return Preflight(training_map.draft_vocab_size, training_map.draft_vocab_size,
+                               training_map.draft_vocab_size, step0_acc=fresh["full_acc_0"],
+                               step0_loss=fresh["loss_0"])
+    checked = compare_with_training_map(own_map, training_map)
+    trained_on_new_map = remapped_in_memory(drafter, own_map, training_map)
+    with torch.no_grad():
+        as_given = evaluate_batch(drafter, target, batch, cfg.ttt_steps)
+        remapped = evaluate_batch(trained_on_new_map, target, batch, cfg.ttt_steps)
+        as_is = remap_source_as_is(cfg, training_map, target, batch)
+    result = Preflight(checked.positions_agree, checked.draft_vocab_size, checked.shared_ids,
+                             step0_acc=as_given["full_acc_0"], step0_loss=as_given["loss_0"],
+                             remapped_step0_acc=remapped["full_acc_0"],
+                             as_is_step0_acc=as_is.get("full_acc_0"), as_is_step0_loss=as_is.get("loss_0"))
+    if cfg.guard.enabled:
+        check(result, init_name(cfg), cfg.guard.max_misaligned, cfg.guard.consent, cfg.drafter)
+    return result
+
+
+def remap_source_as_is(cfg: DictConfig, training_map: VocabMap, target: TargetModel | TargetHead,
+                       batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """init=remap from a remap output: the step-0 numbers its source drafter would have had without the remap."""
+    manifest = read_manifest(cfg.drafter) if init_name(cfg) == "remap" else None
+    source = (manifest or {}).get("config", {}).get("drafter")
+    if not source or not Path(source).exists():
+        return {}
+    unmapped = Eagle3Drafter.from_checkpoint(source, dtype=torch.float32)
+    if unmapped.config.draft_vocab_size != training_map.draft_vocab_size:
+        return {}
+    unmapped.set_vocab_map(training_map)
+    return evaluate_batch(unmapped, target, batch, cfg.ttt_steps)
+
+
+def evaluate_batch(drafter: Eagle3Drafter, target: TargetModel | TargetHead, batch: dict[str, torch.Tensor],
+                   ttt_steps: int) -> dict[str, float]:
+    return run_ttt(drafter, target, batch, ttt_steps).metrics()

@@ -86,9 +86,3 @@ def file_docstrings(path: Path, min_chars: int = 40, max_chars: int = 1500) -> l
                 found.append(Docstring(module, node.name, text))
         pending.extend(reversed([child for child in ast.iter_child_nodes(node) if not isinstance(child, ast.expr)]))
     return found
-
-
-def stdlib_docstrings_with_packages(min_chars: int = 40, max_chars: int = 1500) -> Iterator[Docstring]:
-    """Like `stdlib_docstrings`, also inside the stdlib's packages (email, json, xml, ...): about twice as many."""
-    for path in stdlib_source_files():
-        yield from file_docstrings(path, min_chars, max_chars)

@@ -1,0 +1,261 @@
+"""A drafter's config.json, whatever the layout, as one `DrafterConfig`; and the two aux-layer conventions.
+
+- `sglang` (SGLang / SpecForge): `architectures: ["LlamaForCausalLMEagle3"]`, the Llama layer fields at top level,
+  `draft_vocab_size`, optional `target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`.
+- `speculators` (vLLM / speculators): `speculators_model_type: eagle3`, the layer config nested in
+  `transformer_layer_config`, aux ids at top level.
+
+"Output of layer" ids `[1, L//2-1, L-4]` (SpecForge, EAGLE) and "input of layer" ids `[2, L//2, L-3]` (vLLM,
+speculators) name the same tensors and differ by one. The convention is recorded in a `regraft` block of every
+config regraft writes; a config without it gets it inferred, and says so. The checkpoint's tensors are read and
+written by stages/common/checkpoint.py.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from stages.common.errors import RegraftError
+
+Layout = Literal["sglang", "speculators"]
+LAYOUTS: tuple[str, ...] = ("sglang", "speculators")
+
+OUTPUT_OF_LAYER = "output_of_layer"
+INPUT_OF_LAYER = "input_of_layer"
+CONVENTIONS = (OUTPUT_OF_LAYER, INPUT_OF_LAYER)
+SGLANG_ARCH = "LlamaForCausalLMEagle3"
+SPECULATORS_ARCH = "Eagle3Speculator"
+
+
+def default_aux_layer_ids(num_target_layers: int, convention: str) -> list[int]:
+    """The field's default aux layers for a target with L layers: [1, L//2-1, L-4] as outputs of layers."""
+    L = num_target_layers
+    output_ids = [1, L // 2 - 1, L - 4]
+    return convert_aux_layer_ids(output_ids, OUTPUT_OF_LAYER, convention)
+
+
+def convert_aux_layer_ids(ids: list[int], source: str, dest: str) -> list[int]:
+    """The output of layer i is the input of layer i+1: the two conventions differ by exactly one."""
+    if source not in CONVENTIONS or dest not in CONVENTIONS:
+        raise ValueError(f"aux convention must be one of {CONVENTIONS}")
+    shift = {(OUTPUT_OF_LAYER, INPUT_OF_LAYER): 1, (INPUT_OF_LAYER, OUTPUT_OF_LAYER): -1}.get((source, dest), 0)
+    return [i + shift for i in ids]
+
+
+@dataclass
+class DrafterConfig:
+    """What a drafter's config.json says, independent of layout."""
+
+    layer: dict[str, Any]  # the Llama decoder-layer fields (hidden_size, heads, vocab_size = target vocab, ...)
+    draft_vocab_size: int
+    target_hidden_size: int | None = None
+    aux_layer_ids: list[int] | None = None
+    aux_convention: str = OUTPUT_OF_LAYER
+    aux_convention_source: str = "recorded"  # or how it was inferred
+    target_num_layers: int | None = None
+    norm_before_residual: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys, kept as they were
+    # Keys only one layout understands, by layout; written in that layout, stashed in the `regraft` block otherwise.
+    layout_extras: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.layer["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.layer["vocab_size"])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.layer["num_attention_heads"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.layer.get("num_key_value_heads") or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.layer.get("head_dim") or self.hidden_size // self.num_heads)
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.layer["intermediate_size"])
+
+    @property
+    def aux_hidden_size(self) -> int:
+        return int(self.target_hidden_size or self.hidden_size)
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return float(self.layer.get("rms_norm_eps", 1e-6))
+
+    @property
+    def rope_theta(self) -> float:
+        rope = self.layer.get("rope_parameters") or {}
+        return float(self.layer.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+
+    @property
+    def attention_bias(self) -> bool:
+        return bool(self.layer.get("attention_bias", False))
+
+    def with_aux_convention(self, convention: str) -> "DrafterConfig":
+        """The same layers, named in the other convention (ids shift by one)."""
+        ids = self.aux_layer_ids and convert_aux_layer_ids(self.aux_layer_ids, self.aux_convention, convention)
+        return replace(self, aux_layer_ids=ids, aux_convention=convention, aux_convention_source="recorded")
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        H, I, N, V = self.hidden_size, self.intermediate_size, self.draft_vocab_size, self.vocab_size
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "midlayer.self_attn.q_proj.weight": (q_out, 2 * H),
+            "midlayer.self_attn.k_proj.weight": (kv_out, 2 * H),
+            "midlayer.self_attn.v_proj.weight": (kv_out, 2 * H),
+            "midlayer.self_attn.o_proj.weight": (H, q_out),
+            "midlayer.mlp.gate_proj.weight": (I, H),
+            "midlayer.mlp.up_proj.weight": (I, H),
+            "midlayer.mlp.down_proj.weight": (H, I),
+            "midlayer.input_layernorm.weight": (H,),
+            "midlayer.hidden_norm.weight": (H,),
+            "midlayer.post_attention_layernorm.weight": (H,),
+            "fc.weight": (H, 3 * self.aux_hidden_size),
+            "norm.weight": (H,),
+            "lm_head.weight": (N, H),
+            "d2t": (N,),
+            "t2d": (V,),
+        }
+        if self.attention_bias:
+            shapes.update({"midlayer.self_attn.q_proj.bias": (q_out,), "midlayer.self_attn.k_proj.bias": (kv_out,),
+                           "midlayer.self_attn.v_proj.bias": (kv_out,), "midlayer.self_attn.o_proj.bias": (H,)})
+        return shapes
+
+    def optional_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"embed_tokens.weight": (self.vocab_size, self.hidden_size),
+                "verifier_lm_head.weight": (self.draft_vocab_size, self.aux_hidden_size)}
+
+
+# ---------------------------------------------------------------- config.json <-> DrafterConfig
+
+SGLANG_KEYS = {"architectures", "draft_vocab_size", "target_hidden_size", "eagle_config", "regraft",
+               "eagle_aux_hidden_state_layer_ids", "norm_before_residual"}
+SPECULATORS_KEYS = {"architectures", "speculators_model_type", "transformer_layer_config", "draft_vocab_size",
+                    "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "regraft"}
+SPECULATORS_ONLY_KEYS = {"speculators_config", "speculators_version", "embed_requires_grad", "enable_sp_ulysses"}
+DEFAULT_SPECULATORS_CONFIG = {
+    "algorithm": "eagle3", "default_proposal_method": "greedy",
+    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+    "verifier": {"name_or_path": None, "architectures": []},
+}
+
+
+def detect_layout(raw: dict[str, Any], path: Path) -> Layout:
+    if raw.get("speculators_model_type") == "eagle3":
+        return "speculators"
+    if SGLANG_ARCH in (raw.get("architectures") or []):
+        return "sglang"
+    raise RegraftError(path, f"not an EAGLE-3 drafter config (architectures={raw.get('architectures')})",
+                       f"expected architectures [{SGLANG_ARCH}] or speculators_model_type eagle3")
+
+
+def _infer_convention(ids: list[int] | None, layout: Layout) -> tuple[str, str]:
+    if ids and ids[0] == 1:
+        return OUTPUT_OF_LAYER, "inferred: first aux id is 1"
+    if ids and ids[0] == 2:
+        return INPUT_OF_LAYER, "inferred: first aux id is 2"
+    default = OUTPUT_OF_LAYER if layout == "sglang" else INPUT_OF_LAYER
+    return default, f"inferred: {layout} layout default"
+
+
+def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig]:
+    layout = detect_layout(raw, path)
+    recorded = dict(raw.get("regraft") or {})
+    layout_extras = {name: dict(keys) for name, keys in (recorded.get("layout_extras") or {}).items()}
+    if layout == "sglang":
+        layer = {k: v for k, v in raw.items() if k not in SGLANG_KEYS}
+        eagle = dict(raw.get("eagle_config") or {})
+        ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.pop("eagle_aux_hidden_state_layer_ids", None)
+        if ids and eagle.get("use_aux_hidden_state") is True:
+            del eagle["use_aux_hidden_state"]  # implied by the ids; rendering sets it again
+        own = {"eagle_config": eagle} if eagle else {}
+        extra = {}
+    else:
+        layer = dict(raw.get("transformer_layer_config") or {})
+        ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        rest = {k: v for k, v in raw.items() if k not in SPECULATORS_KEYS}
+        own = {k: v for k, v in rest.items() if k in SPECULATORS_ONLY_KEYS and k not in recorded.get("generated", [])}
+        extra = {k: v for k, v in rest.items() if k not in SPECULATORS_ONLY_KEYS}
+    if own:
+        layout_extras[layout] = own
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if key not in layer:
+            raise RegraftError(path, f"{layout} drafter config has no {key}", "add the Llama layer fields")
+    if "draft_vocab_size" not in raw:
+        raise RegraftError(path, "drafter config has no draft_vocab_size", "set it to the lm_head row count")
+    if recorded.get("aux_convention") in CONVENTIONS:
+        convention, source = recorded["aux_convention"], "recorded"
+    else:
+        convention, source = _infer_convention(ids, layout)
+    config = DrafterConfig(
+        layer=layer, draft_vocab_size=int(raw["draft_vocab_size"]), target_hidden_size=raw.get("target_hidden_size"),
+        aux_layer_ids=list(ids) if ids else None, aux_convention=convention, aux_convention_source=source,
+        target_num_layers=recorded.get("target_num_layers"),
+        norm_before_residual=bool(raw.get("norm_before_residual", False)), extra=extra, layout_extras=layout_extras)
+    return layout, config
+
+
+def render_config(config: DrafterConfig, layout: Layout) -> dict[str, Any]:
+    own = dict(config.layout_extras.get(layout, {}))
+    stashed = {name: keys for name, keys in config.layout_extras.items() if name != layout and keys}
+    regraft: dict[str, Any] = {"aux_convention": config.aux_convention, "target_num_layers": config.target_num_layers}
+    if layout == "sglang":
+        eagle = dict(own.pop("eagle_config", {}))
+        if config.aux_layer_ids is not None:
+            eagle["eagle_aux_hidden_state_layer_ids"] = list(config.aux_layer_ids)
+            eagle.setdefault("use_aux_hidden_state", True)
+        raw: dict[str, Any] = {"architectures": [SGLANG_ARCH], **config.layer,
+                               "draft_vocab_size": config.draft_vocab_size}
+        if config.target_hidden_size is not None:
+            raw["target_hidden_size"] = config.target_hidden_size
+        if config.norm_before_residual:
+            raw["norm_before_residual"] = True
+        if eagle:
+            raw["eagle_config"] = eagle
+    else:
+        raw = {"architectures": [SPECULATORS_ARCH], "speculators_model_type": "eagle3",
+               "transformer_layer_config": dict(config.layer), "draft_vocab_size": config.draft_vocab_size,
+               "norm_before_residual": config.norm_before_residual, "target_hidden_size": config.target_hidden_size,
+               "eagle_aux_hidden_state_layer_ids": config.aux_layer_ids}
+        if "speculators_config" not in own:  # vLLM reads the proposal method and verifier from it
+            own["speculators_config"] = DEFAULT_SPECULATORS_CONFIG
+            regraft["generated"] = ["speculators_config"]
+    if stashed:
+        regraft["layout_extras"] = stashed
+    return {**raw, **own, **config.extra, "regraft": regraft}
+
+
+def aux_layer_ids_for(num_layers: int) -> list[int]:
+    """Output-of-layer aux ids for a target of `num_layers`: the field's [1, L//2-1, L-4], which collapses below
+    8 layers, where tiny targets get [0, L//2-1, L-2] instead."""
+    if num_layers >= 8:
+        return default_aux_layer_ids(num_layers, OUTPUT_OF_LAYER)
+    return [0, num_layers // 2 - 1, num_layers - 2]
+
+
+def drafter_config_for(target_dir: str | Path, draft_vocab_size: int,
+                       intermediate_size: int | None = None) -> DrafterConfig:
+    """The config of a fresh drafter for the target in `target_dir`: its width and heads, the field's aux layers."""
+    raw = json.loads((Path(target_dir) / "config.json").read_text())
+    target = raw.get("text_config") or raw
+    num_layers = int(target["num_hidden_layers"])
+    layer = {
+        "model_type": "llama", "num_hidden_layers": 1, "hidden_act": "silu",
+        "hidden_size": target["hidden_size"], "num_attention_heads": target["num_attention_heads"],
+        "num_key_value_heads": target.get("num_key_value_heads") or target["num_attention_heads"],
+        "intermediate_size": intermediate_size or target["intermediate_size"],
+        "rms_norm_eps": target.get("rms_norm_eps", 1e-6), "rope_theta": target.get("rope_theta", 10000.0),
+        "max_position_embeddings": target.get("max_position_embeddings", 2048), "vocab_size": target["vocab_size"],
+    }
+    return DrafterConfig(layer=layer, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids_for(num_layers),
+                         aux_convention=OUTPUT_OF_LAYER, target_num_layers=num_layers)

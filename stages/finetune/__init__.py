@@ -1,0 +1,251 @@
+"""finetune stage: EAGLE-3 training-time-test training of a drafter on a new target, on DeepSpeed.
+
+In: the target model folder, chat JSONL, the training vocab map, and the drafter to start from (`init`):
+`remap` (the remap stage's output), `scratch` (a fresh layer; lm_head rows from the verifier) or `as_is` (a drafter
+trained on another map, used unchanged: the known way to waste a fine-tune, refused by the guard unless consented).
+Out: `drafter/` (the best drafter by validation loss, sglang layout, the training map's d2t/t2d), `metrics.jsonl`
+(train metrics every `log_every` steps, validation every epoch, preflight), `manifest.json`.
+DeepSpeed checkpoints go to `checkpoint_dir` (default `<out>.checkpoints`), so a stopped run resumes from them.
+The preflight guard is `guard.py`, the training loop `loop.py`.
+
+    python -m stages.finetune target=DIR data=FILE vocab_map=MAP drafter=REMAPPED out=DIR ttt_steps=5 lr=1e-4
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from stages.common.artifacts import read_manifest, staged_output
+from stages.common.chat import load_tokenizer, tokenized_chats
+from stages.common.checkpoint import DrafterCheckpoint
+from stages.common.drafter_config import OUTPUT_OF_LAYER, convert_aux_layer_ids, drafter_config_for
+from stages.common.eagle3 import Eagle3Drafter
+from stages.common.errors import RegraftError
+from stages.common.feature_shards import load_features
+from stages.common.runtime import free_port
+from stages.common.stage import StageResult, register_schema
+from stages.common.target import TargetHead, TargetModel
+from stages.common.verifier import Verifier
+from stages.common.vocab import VocabMap, load_vocab_map
+from stages.finetune.guard import preflight
+from stages.finetune.loop import MetricsLog, Preempted, Progress, micro_batches, split, train
+
+__all__ = ["FinetuneConfig", "Preempted", "init_distributed", "run", "run_rank"]  # what pipelines/jobs.py calls
+
+
+class Init(str, Enum):
+    remap = "remap"  # the remap stage's output: the source drafter with its lm_head rows on the training map
+    scratch = "scratch"  # a fresh layer; lm_head rows from the verifier
+    as_is = "as_is"  # a drafter trained on another map, unchanged: refused by the guard unless guard.consent=true
+
+
+class Spawn(str, Enum):
+    inprocess = "inprocess"  # one rank, in the stage's own process
+    torchrun = "torchrun"  # nproc local ranks started by torchrun
+    deepspeed = "deepspeed"  # nproc local ranks started by DeepSpeed's own launcher
+
+
+@dataclass
+class DeepSpeedConfig:
+    """Engine settings (EAGLE-3's own ds_config: ZeRO-2, betas 0.9/0.95, clipping 0.5); conf/deepspeed/ presets
+    choose the ZeRO stage for the pipeline."""
+
+    zero_stage: int = 0
+    bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.5
+    warmup_ratio: float = 0.015  # linear warmup over this share of the steps, then cosine (SpecForge's 0.015)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+
+
+@dataclass
+class GuardConfig:
+    enabled: bool = True
+    max_misaligned: float = 0.01  # share of draft positions allowed to point at another token than the map says
+    consent: bool = False  # train a misaligned init anyway (to reproduce the failure on purpose)
+
+
+@dataclass
+class FinetuneConfig:
+    target: str = MISSING  # target model folder (the verifier)
+    data: Optional[str] = None  # chat JSONL for the target (online); not needed with `features`
+    vocab_map: str = MISSING  # the training draft vocab
+    out: str = MISSING
+    drafter: Optional[str] = None  # the init's drafter (remap output / source drafter); scratch may omit it
+    trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
+    features: Optional[str] = None  # a features stage output: train offline on cached target states
+    init: Init = Init.remap
+    ttt_steps: int = 7  # SpecForge's length; the Kimi-K2.5 runs used 5, speculators 3
+    lr: float = 1e-4
+    epochs: int = 1
+    max_steps: Optional[int] = None  # stop after this many optimizer steps
+    micro_batch_size: int = 4
+    max_length: int = 256
+    val_fraction: float = 0.05
+    log_every: int = 10  # train metrics every this many optimizer steps (validation: every epoch)
+    checkpoint_every: int = 100  # a resumable DeepSpeed checkpoint every this many optimizer steps
+    keep_checkpoints: int = 2  # the newest DeepSpeed checkpoints kept (weights + optimizer, ~4x the drafter); 0: all
+    checkpoint_dir: Optional[str] = None  # default: <out>.checkpoints
+    resume: bool = True  # continue from the latest checkpoint in checkpoint_dir
+    seed: int = 0
+    spawn: Spawn = Spawn.inprocess
+    nproc: int = 1  # ranks; with micro_batch_size and gradient accumulation it sets the global batch
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+
+register_schema("finetune", FinetuneConfig)
+RANK_FLAG = "--rank-config"
+
+
+# ---------------------------------------------------------------- the drafter to start from
+
+
+def initial_drafter(cfg: DictConfig, training_map: VocabMap) -> tuple[Eagle3Drafter, VocabMap | None]:
+    """The init's drafter and the map its lm_head was trained on (None for scratch, which has no past)."""
+    init = Init(cfg.init)
+    if init is Init.scratch:
+        template = DrafterCheckpoint.open(cfg.drafter).config if cfg.drafter else \
+            drafter_config_for(cfg.target, training_map.draft_vocab_size)
+        config = replace(template, draft_vocab_size=training_map.draft_vocab_size)
+        drafter = Eagle3Drafter.initialised(config, training_map, seed=cfg.seed)
+        verifier = Verifier.open(cfg.target)
+        if verifier.hidden_size == config.hidden_size:
+            with torch.no_grad():
+                drafter.lm_head.weight.copy_(verifier.lm_head_rows(training_map.target_ids).float())
+        return drafter, None
+    if not cfg.drafter:
+        raise RegraftError(None, f"init={init.value} needs a drafter", "pass drafter=DIR")
+    drafter = Eagle3Drafter.from_checkpoint(cfg.drafter, dtype=torch.float32)
+    own_map = drafter.vocab_map()
+    if own_map.draft_vocab_size != training_map.draft_vocab_size:
+        raise RegraftError(cfg.drafter, f"draft vocab of {own_map.draft_vocab_size} ids, the training map has "
+                           f"{training_map.draft_vocab_size}", "remap the drafter onto the training map")
+    drafter.set_vocab_map(training_map)  # training reads any init through the training map (as_is: unchanged rows)
+    return drafter, own_map
+
+
+def training_rows(cfg: DictConfig, drafter: Eagle3Drafter) -> tuple[TargetModel | TargetHead, dict]:
+    """Online: the whole target and tokenized chats. Offline: the target's embeddings and lm_head only, and the
+    cached rows (the same chats in the same order, so both modes see the same batches)."""
+    layer_ids = convert_aux_layer_ids(drafter.config.aux_layer_ids, drafter.config.aux_convention, OUTPUT_OF_LAYER)
+    if cfg.features:
+        return TargetHead(cfg.target), load_features(cfg.features, layer_ids, cfg.max_length)
+    if not cfg.data:
+        raise RegraftError(None, "finetune needs training data", "pass data=CHATS.jsonl (online) or features=DIR")
+    rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
+    return TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, trust_remote_code=cfg.trust_remote_code), rows
+
+
+# ---------------------------------------------------------------- DeepSpeed
+
+
+def init_distributed(launched: bool, seed: int) -> None:
+    """Join the process group: ranks started by a launcher read its env; a lone in-process rank sets its own
+    (gloo on CPU) on a free port, whatever a parent process left in the environment."""
+    if not launched and not torch.distributed.is_initialized():
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    torch.manual_seed(seed)
+
+
+def launcher_command(spawn: Spawn, nproc: int, config_file: Path) -> list[str]:
+    """torchrun or DeepSpeed's own launcher, each starting `nproc` local ranks of this module."""
+    port = str(free_port())
+    if spawn is Spawn.torchrun:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", port,
+                "-m", "stages.finetune", RANK_FLAG, str(config_file)]
+    # --no_local_rank: the ranks read LOCAL_RANK from the environment, as under torchrun
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", port, "--no_local_rank",
+            "--module", "stages.finetune", RANK_FLAG, str(config_file)]
+
+
+def launch_ranks(cfg: DictConfig) -> StageResult:
+    """Start `nproc` ranks with torchrun or `deepspeed` on this stage's resolved config; rank 0 writes."""
+    spawn = Spawn(cfg.spawn)
+    work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints")
+    work.mkdir(parents=True, exist_ok=True)
+    config_file = work / "rank_config.yaml"
+    OmegaConf.save(cfg, config_file, resolve=True)
+    done = subprocess.run(launcher_command(spawn, cfg.nproc, config_file.absolute()),
+                          cwd=Path(__file__).resolve().parents[2])
+    manifest = read_manifest(cfg.out)
+    if done.returncode != 0 or manifest is None:
+        raise RegraftError(work, f"{cfg.nproc} {spawn.value} ranks ended with exit code {done.returncode}",
+                           "read the ranks' output above; rerun to resume from the last checkpoint")
+    return StageResult(Path(cfg.out), manifest["metrics"], manifest.get("headline", ""))
+
+
+def run(cfg: DictConfig) -> StageResult:
+    spawn = Spawn(cfg.spawn)
+    if spawn is not Spawn.inprocess:
+        return launch_ranks(cfg)
+    if cfg.nproc != 1:
+        raise RegraftError(None, "spawn=inprocess runs one rank",
+                           "use finetune.spawn=torchrun or spawn=deepspeed for nproc > 1")
+    return run_rank(cfg, launched=False)
+
+
+def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
+    """The training itself, on this process's rank (a launcher's, or a lone in-process one)."""
+    init_distributed(launched, cfg.seed)
+    rank = int(os.environ["RANK"])
+    training_map = load_vocab_map(cfg.vocab_map)
+    drafter, own_map = initial_drafter(cfg, training_map)
+    target, rows = training_rows(cfg, drafter)
+    train_data, val_data = split(rows, cfg.val_fraction, cfg.seed)
+    first = next(micro_batches(train_data, cfg.micro_batch_size, 0, cfg.seed, 0, 1))
+    checked = preflight(cfg, drafter, own_map, training_map, target, first)
+    work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints")
+    work.mkdir(parents=True, exist_ok=True)
+    resumed = cfg.resume and (work / "deepspeed" / "latest").exists()
+    log = MetricsLog(work / "metrics.jsonl", resume_step=resumed_step(work) if resumed else 0, enabled=rank == 0)
+    if not resumed:
+        log.write(0, "preflight", checked.metrics())
+    best_state, best_val = train(cfg, drafter, target, train_data, val_data, work, log, Progress())
+    metrics = {**checked.metrics(), **{f"val_{k}": v for k, v in best_val.items()}}
+    headline = (f"init={Init(cfg.init).value}: best val loss {best_val.get('loss', float('nan')):.3f}, "
+                f"full_acc_0 {best_val.get('full_acc_0', float('nan')):.3f}, "
+                f"sim_accept_len {best_val.get('sim_accept_len', float('nan')):.2f}")
+    if rank == 0:
+        with torch.device("meta"):
+            best = Eagle3Drafter(drafter.config)  # a plain module: the engine's may hold ZeRO-3 partitions
+        best.load_state_dict(best_state, assign=True)
+        with staged_output(cfg.out, "finetune", cfg) as staged:
+            best.save(staged.path / "drafter", layout="sglang")
+            (staged.path / "metrics.jsonl").write_text((work / "metrics.jsonl").read_text())
+            staged.update(metrics=metrics, checkpoint_dir=str(work.absolute()), headline=headline)
+    return StageResult(Path(cfg.out), metrics, headline)
+
+
+def resumed_step(work: Path) -> int:
+    tag = (work / "deepspeed" / "latest").read_text().strip()
+    return int(tag.removeprefix("step"))
+
+
+def rank_main(config_file: str) -> int:
+    """One torchrun rank: the launcher's resolved config, checked against the schema again."""
+    cfg = OmegaConf.merge(OmegaConf.structured(FinetuneConfig), OmegaConf.load(config_file))
+    try:
+        run_rank(cfg, launched=True)
+    except RegraftError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

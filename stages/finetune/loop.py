@@ -1,0 +1,266 @@
+"""The finetune's training loop on a DeepSpeed engine: batches, the TTT step, validation, checkpoints, signals.
+
+`train` runs optimizer steps until the schedule ends, validating every epoch and keeping the best state by
+validation loss; it checkpoints every `checkpoint_every` steps (and when SIGTERM/SIGUSR1 ask it to stop), and a run
+with `resume` continues from the latest checkpoint to the same weights as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from stages.common.eagle3 import Eagle3Drafter
+from stages.common.errors import RegraftError
+from stages.common.target import TargetHead, TargetModel
+from stages.common.ttt import TTTStats, ttt_forward, ttt_metrics
+
+
+def run_ttt(drafter: Eagle3Drafter, target: TargetModel | TargetHead, batch: dict[str, torch.Tensor],
+            ttt_steps: int) -> TTTStats:
+    """One unrolled pass; `target` runs the target (online) or reads cached states from the batch (offline)."""
+    features = target.batch_features(batch)
+    return ttt_forward(drafter, target.embed, batch["input_ids"], batch["loss_mask"], features.aux_hidden,
+                       features.logits, ttt_steps)
+
+
+# ---------------------------------------------------------------- DeepSpeed
+
+
+def deepspeed_config(cfg: DictConfig, total_steps: int) -> dict:
+    ds = cfg.deepspeed
+    bf16 = torch.cuda.is_available() if ds.bf16 is None else bool(ds.bf16)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": ds.gradient_accumulation_steps,
+        "train_batch_size": cfg.micro_batch_size * ds.gradient_accumulation_steps * world,
+        "gradient_clipping": ds.gradient_clipping,
+        "zero_optimization": {"stage": ds.zero_stage},
+        "bf16": {"enabled": bf16},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(total_steps, 1), "warmup_num_steps": max(1, int(ds.warmup_ratio * total_steps))}},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+# ---------------------------------------------------------------- data
+
+
+def split(data: dict[str, torch.Tensor], val_fraction: float, seed: int) -> tuple[dict, dict]:
+    count = data["input_ids"].shape[0]
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    val_count = max(1, int(round(val_fraction * count))) if val_fraction > 0 else 0
+    pick = lambda rows: {name: tensor[rows] for name, tensor in data.items()}
+    return pick(order[val_count:]), pick(order[:val_count])
+
+
+def micro_batches(data: dict[str, torch.Tensor], size: int, epoch: int, seed: int, rank: int, world: int,
+                  skip: int = 0, accumulation: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of one epoch: a seeded shuffle, strided over ranks, whole global batches only
+    (so no accumulated gradient spills into the next epoch)."""
+    count = data["input_ids"].shape[0]
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+    per_step = size * world
+    for index in range(skip, count // (per_step * accumulation) * accumulation):
+        rows = order[index * per_step + rank * size: index * per_step + (rank + 1) * size]
+        yield {name: tensor[rows] for name, tensor in data.items()}
+
+
+# ---------------------------------------------------------------- the loop
+
+
+class MetricsLog:
+    """metrics.jsonl in the work folder: one line per logged step; a resumed run drops lines past its step."""
+
+    def __init__(self, path: Path, resume_step: int, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if enabled and path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        elif enabled and resume_step == 0:
+            path.write_text("")
+
+    def lines(self) -> int:
+        return len(self.path.read_text().splitlines()) if self.enabled and self.path.exists() else 0
+
+    def keep(self, count: int) -> None:
+        """Only the first `count` lines: those written before the checkpoint a run resumes from (a validation
+        logged after it, at the same step, is run and logged again)."""
+        if self.enabled and self.path.exists():
+            self.path.write_text("".join(line + "\n" for line in self.path.read_text().splitlines()[:count]))
+
+    def write(self, step: int, split_name: str, metrics: dict[str, float]) -> None:
+        if self.enabled:
+            with self.path.open("a") as lines:
+                lines.write(json.dumps({"step": step, "split": split_name, **metrics}) + "\n")
+
+
+def validate(drafter: Eagle3Drafter, target: TargetModel, val: dict[str, torch.Tensor], cfg: DictConfig) -> dict:
+    """TTT metrics over the whole validation split, from summed counts; `loss` is the decay-weighted total."""
+    size = min(cfg.micro_batch_size, val["input_ids"].shape[0])
+    sums, batches = None, 0
+    with torch.no_grad():
+        for batch in micro_batches(val, size, 0, cfg.seed, 0, 1):
+            stats = run_ttt(drafter, target, batch, cfg.ttt_steps)
+            counts = [stats.step_losses, stats.correct, stats.valid, stats.cond_correct, stats.cond_valid]
+            sums = counts if sums is None else [a + b for a, b in zip(sums, counts)]
+            batches += 1
+    step_losses, *counts = sums
+    return ttt_metrics(step_losses / batches, *counts)
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (a scheduler's warning before preemption or the time limit) ask for a clean stop:
+    the loop checkpoints at the next optimizer step and ends; rerunning the same command resumes there."""
+
+    def __init__(self):
+        self.requested = False
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._request)
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+
+    def agreed(self, world: int, device: torch.device) -> bool:
+        """Whether any rank was asked to stop: a signal reaches the ranks at different steps, and every rank must
+        stop at the same one (saving a checkpoint is collective)."""
+        if world == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class Preempted(RegraftError):
+    pass
+
+
+@dataclass
+class Progress:
+    """What a checkpoint must carry besides weights and optimizer so a resumed run continues exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0  # micro-batches of this epoch already consumed
+    best_val_loss: float = float("inf")
+    logged: Optional[int] = None  # lines of metrics.jsonl when the checkpoint was saved (rank 0's)
+
+
+def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_data: dict, val_data: dict,
+          work: Path, log: MetricsLog, progress: Progress) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    import deepspeed
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    accumulation = cfg.deepspeed.gradient_accumulation_steps
+    per_epoch = train_data["input_ids"].shape[0] // (cfg.micro_batch_size * world) // accumulation
+    if per_epoch == 0:
+        raise RegraftError(cfg.data, "fewer conversations than one global batch", "lower micro_batch_size or add data")
+    total_steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.deepspeed.betas),
+                                  weight_decay=cfg.deepspeed.weight_decay)
+    engine, _, _, scheduler = deepspeed.initialize(model=drafter, optimizer=optimizer,
+                                                   config=deepspeed_config(cfg, total_steps))
+    checkpoints, best_file = work / "deepspeed", work / "best.pt"
+    if cfg.resume and (checkpoints / "latest").exists():
+        _, client_state = engine.load_checkpoint(str(checkpoints))
+        progress = Progress(**client_state["progress"])
+        if progress.logged is not None:
+            log.keep(progress.logged)
+        if rank == 0:
+            print(f"finetune: resumed at step {progress.step} of {total_steps} from {checkpoints}", file=sys.stderr,
+                  flush=True)
+    best = torch.load(best_file, weights_only=True) if cfg.resume and best_file.exists() else \
+        {"state": snapshot(engine.module), "val": {}}
+    stop = StopSignal()
+
+    def save_checkpoint() -> None:
+        """`latest` is written once every rank has written its part (DeepSpeed's own is written by rank 0 before
+        the others may be done), so a job killed while saving resumes from the checkpoint before."""
+        progress.logged = log.lines()
+        tag = f"step{progress.step}"
+        engine.save_checkpoint(str(checkpoints), tag=tag, client_state={"progress": vars(progress)},
+                               save_latest=False)  # returns after a barrier
+        if rank == 0:
+            (checkpoints / "latest.tmp").write_text(tag)
+            os.replace(checkpoints / "latest.tmp", checkpoints / "latest")
+            prune_checkpoints(checkpoints, cfg.keep_checkpoints)
+
+    bar = tqdm(total=total_steps, initial=progress.step, desc="finetune", disable=rank != 0, mininterval=1.0)
+    started, tokens = time.perf_counter(), 0
+    while progress.step < total_steps and progress.epoch < cfg.epochs:
+        for batch in micro_batches(train_data, cfg.micro_batch_size, progress.epoch, cfg.seed, rank, world,
+                                   skip=progress.batch, accumulation=accumulation):
+            stats = run_ttt(engine.module, target, batch, cfg.ttt_steps)
+            engine.backward(stats.loss)
+            engine.step()
+            progress.batch += 1
+            tokens += int(batch["attention_mask"].sum())
+            if progress.batch % accumulation:
+                continue
+            progress.step += 1
+            bar.update(1)
+            if progress.step % cfg.log_every == 0 or progress.step == total_steps:
+                elapsed = time.perf_counter() - started
+                log.write(progress.step, "train", {**stats.metrics(),
+                                                   "lr": scheduler.get_last_lr()[0],
+                                                   "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                                                   "tokens_per_s": tokens * world / max(elapsed, 1e-9)})
+            stopping = stop.agreed(world, engine.device)
+            if progress.step % cfg.checkpoint_every == 0 or stopping:
+                save_checkpoint()
+            if stopping:
+                raise Preempted(checkpoints, f"stopped by a signal at step {progress.step} of {total_steps}; "
+                                "checkpoint saved", "rerun the same command to resume (resume=true)")
+            if progress.step >= total_steps:
+                break
+        else:
+            progress.epoch, progress.batch = progress.epoch + 1, 0
+        val = validate(engine.module, target, val_data, cfg) if val_data["input_ids"].numel() else {}
+        if val:
+            log.write(progress.step, "val", val)
+        if not val or val["loss"] < progress.best_val_loss:
+            progress.best_val_loss = val.get("loss", progress.best_val_loss)
+            best = {"state": snapshot(engine.module), "val": val}
+            if rank == 0:  # a job killed while saving leaves the previous best whole
+                torch.save(best, best_file.with_suffix(".tmp"))
+                os.replace(best_file.with_suffix(".tmp"), best_file)
+        if progress.step >= total_steps:
+            break
+    bar.close()
+    return best["state"], best["val"]
+
+
+def prune_checkpoints(checkpoints: Path, keep: int) -> None:
+    """Keep the `keep` newest DeepSpeed checkpoints (`step<N>` folders) up to the one `latest` names; delete the
+    older ones. A folder past `latest` (a save cut short before a resume) is left for the next save to overwrite.
+    keep=0 keeps every checkpoint."""
+    newest = int((checkpoints / "latest").read_text().removeprefix("step"))
+    steps = sorted(int(path.name[4:]) for path in checkpoints.glob("step*")
+                   if path.is_dir() and path.name[4:].isdigit() and int(path.name[4:]) <= newest)
+    for step in steps[:-keep] if keep else []:
+        shutil.rmtree(checkpoints / f"step{step}", ignore_errors=True)
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full copy of the weights; under ZeRO-3 the partitioned parameters are gathered first (on every rank)."""
+    import deepspeed
+
+    params = list(module.parameters())
+    partitioned = any(hasattr(param, "ds_id") for param in params)
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None) if partitioned else contextlib.nullcontext():
+        return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
