@@ -182,3 +182,26 @@ def test_each_deepspeed_preset_reaches_the_engine(preset):
     assert scheduler.warmup_num_steps == int(cfg.deepspeed.warmup_ratio * 100) == 5  # the pipeline's 0.05
     assert engine.gradient_accumulation_steps() == cfg.deepspeed.gradient_accumulation_steps
 
+
+def test_train_lines_carry_the_lr_each_step_used_and_the_norm_clipping_saw(trained_target, chats, training_map,
+                                                                            tmp_path):
+    """lr is read before the scheduler moves on (DeepSpeed's WarmupCosineLR, replayed here step by step); the
+    gradient norm is the real one under ZeRO-0 fp32 (where DeepSpeed reports none) and agrees with ZeRO-2's."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    norms = {}
+    for zero in (0, 2):
+        out = tmp_path / f"zero{zero}"
+        finetune.run(finetune_cfg(trained_target, chats, training_map, out, "init=scratch", "max_steps=6",
+                                  "log_every=1", f"deepspeed.zero_stage={zero}", "deepspeed.warmup_ratio=0.5"))
+        train = [m for m in read_metrics(out) if m["split"] == "train"]
+        norms[zero] = [m["grad_norm"] for m in train]
+        replay = WarmupCosineLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=3e-3), total_num_steps=6,
+                                warmup_num_steps=3)
+        used = []
+        for _ in train:
+            used.append(replay.get_last_lr()[0])
+            replay.step()
+        assert [m["lr"] for m in train] == pytest.approx(used) and len(set(used)) > 2
+    assert all(norm > 0 for norm in norms[0]) and len(set(norms[0])) == len(norms[0])
+    assert norms[0] == pytest.approx(norms[2], rel=1e-4)

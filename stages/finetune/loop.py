@@ -207,7 +207,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                                    skip=progress.batch, accumulation=accumulation):
             stats = run_ttt(engine.module, target, batch, cfg.ttt_steps)
             engine.backward(stats.loss)
-            engine.step()
+            lr, grad_norm = optimizer_step(engine, scheduler)
             progress.batch += 1
             tokens += int(batch["attention_mask"].sum())
             if progress.batch % accumulation:
@@ -216,9 +216,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             bar.update(1)
             if progress.step % cfg.log_every == 0 or progress.step == total_steps:
                 elapsed = time.perf_counter() - started
-                log.write(progress.step, "train", {**stats.metrics(),
-                                                   "lr": scheduler.get_last_lr()[0],
-                                                   "grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                log.write(progress.step, "train", {**stats.metrics(), "lr": lr, "grad_norm": grad_norm,
                                                    "tokens_per_s": tokens * world / max(elapsed, 1e-9)})
             stopping = stop.agreed(world, engine.device)
             if progress.step % cfg.checkpoint_every == 0 or stopping:
@@ -243,6 +241,23 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             break
     bar.close()
     return best["state"], best["val"]
+
+
+def optimizer_step(engine, scheduler) -> tuple[float, float | None]:
+    """`engine.step()`, and what that optimizer step used: its learning rate (read before the scheduler moves on)
+    and the global gradient norm clipping saw, before clipping, at every ZeRO stage: DeepSpeed reports it where its
+    own optimizer wrapper computes it (ZeRO 1-3, bf16), and under ZeRO-0 fp32 it clips the gradients on the
+    parameters, whose norm is taken here first. Both are None-free only at an accumulation boundary."""
+    lr = scheduler.get_last_lr()[0]
+    local = None
+    if engine.is_gradient_accumulation_boundary():
+        grads = [param.grad for param in engine.module.parameters() if param.grad is not None]
+        local = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) \
+            if grads else None
+    engine.step()
+    reported = engine.get_global_grad_norm()
+    norm = float(reported) if reported is not None else local
+    return float(lr), norm
 
 
 def prune_checkpoints(checkpoints: Path, keep: int) -> None:
