@@ -6,12 +6,22 @@ finetune stage does. Two sizes: the toy world's (hidden 64) and a wider one (hid
 overhead under 10% at world size 1. The last column is the DeepSpeed loop offline: the target's states cached by the
 features stage, so a step runs only the target's lm_head instead of its whole forward.
 
-    .venv/bin/python bench/finetune.py [--steps 30] [--warmup 5]
+The other table (printed first) is one TTT step (forward + backward, 1 intra-op thread) of regraft's `ttt_forward` on the target's
+signals (full-vocab argmax and draft-vocab logits computed once per batch, the lm_head in vocab chunks) against a plain
+re-statement of the reference computation (SpecForge 0.2.0's loop: full-vocab target logits, then argmax, draft-vocab
+gather and softmax redone at every step on shifted copies), on the same weights and batch with the same loss mask
+(`specforge`, so the numbers agree): time per step and the peak RSS of a fresh process per variant. The goal is
+regraft's step no slower and its peak memory no higher.
+
+    .venv/bin/python bench/finetune.py [--steps 30] [--warmup 5] [--only throughput|ttt]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +49,10 @@ from stages.common.target import TargetHead  # noqa: E402
 from stages.finetune import init_distributed  # noqa: E402
 from stages.finetune.loop import micro_batches, run_ttt  # noqa: E402
 from stages.common.feature_shards import load_features  # noqa: E402
+from stages.common.drafter_config import DrafterConfig  # noqa: E402
+from stages.common.eagle3 import TTTCache  # noqa: E402
+from stages.common.target import TargetSignals  # noqa: E402
+from stages.common.ttt import LossMask, draft_vocab_ids, ttt_forward  # noqa: E402
 
 SIZES = {"toy (hidden 64)": 64, "wide (hidden 256)": 256}
 TTT_STEPS, MICRO_BATCH, MAX_LENGTH, DRAFT_VOCAB = 5, 8, 256, 1024
@@ -112,11 +126,144 @@ def deepspeed_loop(drafter: Eagle3Drafter, target: TargetModel):
     return step
 
 
+# ---------------------------------------------------------------- one TTT step: regraft against the reference
+
+TTT_VOCAB, TTT_DRAFT_VOCAB, TTT_HIDDEN, TTT_LENGTHS, TTT_REPEATS, TTT_ROUNDS = 32000, 6400, 512, (512, 1024), 3, 2
+
+
+def ttt_world(length: int) -> dict:
+    """The same weights and batch in every process (seeded): a drafter (hidden 512, draft vocab 6,400 of 32,000 ids:
+    Kimi-K2.5's ratio, 32,000 of 163,840), the target's embeddings and lm_head, one row's cached aux and final
+    hidden states, and a two-turn assistant mask (user 0-10%, assistant to 55%, user to 60%, assistant to T-2)."""
+    V, N, H = TTT_VOCAB, TTT_DRAFT_VOCAB, TTT_HIDDEN
+    layer = {"model_type": "llama", "num_hidden_layers": 1, "hidden_act": "silu", "hidden_size": H,
+             "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 1408, "rms_norm_eps": 1e-6,
+             "rope_theta": 10000.0, "max_position_embeddings": 4096, "vocab_size": V}
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randperm(V, generator=generator)[:N].sort().values
+    config = DrafterConfig(layer=layer, draft_vocab_size=N, aux_layer_ids=[1, 15, 28], target_num_layers=32)
+    drafter = Eagle3Drafter.initialised(config, VocabMap.from_target_ids(ids, V), seed=0)
+    embedding = torch.nn.Embedding.from_pretrained(torch.randn(V, H, generator=generator) * 0.02, freeze=True)
+    loss_mask = torch.zeros(1, length, dtype=torch.bool)
+    loss_mask[:, length // 10:length * 55 // 100] = True
+    loss_mask[:, length * 60 // 100:length - 1] = True
+    return {"drafter": drafter, "embed": embedding, "lm_head": torch.randn(V, H, generator=generator) * 0.2,
+            "input_ids": torch.randint(0, V, (1, length), generator=generator), "loss_mask": loss_mask,
+            "aux": torch.randn(1, length, 3 * H, generator=generator),
+            "last_hidden": torch.randn(1, length, H, generator=generator)}
+
+
+def regraft_ttt_step(world: dict, steps: int) -> torch.Tensor:
+    """regraft: the target's signals once (chunked lm_head), then ttt_forward, then backward."""
+    drafter = world["drafter"]
+    signals = TargetSignals.from_hidden(world["last_hidden"], world["lm_head"], draft_vocab_ids(drafter))
+    stats = ttt_forward(drafter, world["embed"], world["input_ids"], world["loss_mask"], world["aux"], signals, steps,
+                        LossMask.specforge)
+    stats.loss.backward()
+    return stats.step_losses
+
+
+def reference_ttt_step(world: dict, steps: int) -> torch.Tensor:
+    """The reference (SpecForge 0.2.0's OnlineEagle3Model loop, restated on the same drafter module): the target's
+    full logits, padded one left; every step takes the argmax over the full vocab, gathers the draft columns and
+    softmaxes them, and shifts input ids, logits and mask one further left (copies)."""
+    drafter = world["drafter"]
+
+    def padding(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((x[:, 1:], torch.zeros_like(x[:, -1:])), dim=1)
+
+    with torch.no_grad():
+        target = padding(world["last_hidden"] @ world["lm_head"].T)  # [1, T, V]
+    input_ids, loss_mask = padding(world["input_ids"]), world["loss_mask"][..., None].int()
+    hidden, cache = drafter.project_aux(world["aux"]), TTTCache()
+    positions = torch.arange(input_ids.shape[1])[None]
+    total, losses = torch.zeros(()), []
+    for idx in range(steps):
+        out = drafter(world["embed"](input_ids), hidden, positions + idx, cache=cache)
+        with torch.no_grad():
+            position_mask = drafter.t2d[target.argmax(-1)][..., None].int() * loss_mask
+            target_p = torch.softmax(target[..., drafter.t2d].float(), dim=2)
+        hidden = out.hidden
+        loss = -torch.sum(position_mask * (target_p * torch.log_softmax(out.logits.float(), dim=2)), 2).mean()
+        losses.append(loss.detach())
+        total = total + 0.8 ** idx * loss
+        if idx < steps - 1:
+            input_ids, target, loss_mask = padding(input_ids), padding(target), padding(loss_mask)
+    total.backward()
+    return torch.stack(losses)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def ttt_variant(variant: str, length: int, repeats: int, steps: int) -> dict:
+    """One variant in this (fresh) process, 1 intra-op thread: CPU and wall seconds per step (the CPU time is the
+    fairer clock on a shared machine), RSS before and at peak."""
+    torch.set_num_threads(1)
+    world = ttt_world(length)
+    step = {"regraft": regraft_ttt_step, "reference": reference_ttt_step}[variant]
+    setup = rss_mb()
+    seconds, cpu, losses = [], [], None
+    for _ in range(repeats + 1):  # the first is warmup
+        world["drafter"].zero_grad(set_to_none=True)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        losses = step(world, steps)
+        seconds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    grads = [p.grad for p in world["drafter"].parameters() if p.grad is not None]
+    return {"variant": variant, "length": length, "seconds": min(seconds[1:]), "cpu": min(cpu[1:]), "setup_mb": setup,
+            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "losses": losses.tolist(),
+            "grad_norm": float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))}
+
+
+def ttt_table(repeats: int) -> Table:
+    table = Table(title=f"one TTT step, forward + backward (CPU, 1 thread, batch 1, TTT {TTT_STEPS}, vocab "
+                        f"{TTT_VOCAB:,}, draft vocab {TTT_DRAFT_VOCAB:,}, hidden {TTT_HIDDEN}; the best of {repeats} "
+                        f"steps in each of {TTT_ROUNDS} fresh processes per variant, run alternately)")
+    for column in ("T", "variant", "CPU s / step", "wall s / step", "CPU time vs reference", "peak RSS",
+                   "peak over setup", "max |loss_k - ref|", "grad norm"):
+        table.add_column(column, justify="right")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    for length in TTT_LENGTHS:
+        results: dict[str, dict] = {}
+        for _ in range(TTT_ROUNDS):  # alternately, so a busy machine slows both alike
+            for variant in ("reference", "regraft"):
+                done = subprocess.run([sys.executable, __file__, "--ttt-variant", variant, "--length", str(length),
+                                       "--repeats", str(repeats)], env=env, capture_output=True, text=True,
+                                      check=True)
+                run = json.loads(done.stdout.strip().splitlines()[-1])
+                kept = results.setdefault(variant, run)
+                kept["seconds"], kept["cpu"] = min(kept["seconds"], run["seconds"]), min(kept["cpu"], run["cpu"])
+                kept["peak_mb"], kept["setup_mb"] = max(kept["peak_mb"], run["peak_mb"]), run["setup_mb"]
+        reference = results["reference"]
+        for variant in ("reference", "regraft"):
+            r = results[variant]
+            gap = max(abs(a - b) for a, b in zip(r["losses"], reference["losses"]))
+            table.add_row(f"{length:,}", variant, f"{r['cpu']:.2f}", f"{r['seconds']:.2f}",
+                          f"{r['cpu'] / reference['cpu']:.2f}x",
+                          f"{r['peak_mb']:,.0f} MB", f"{r['peak_mb'] - r['setup_mb']:,.0f} MB", f"{gap:.1e}",
+                          f"{r['grad_norm']:.5f}")
+    return table
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--only", choices=("throughput", "ttt"), help="run one of the two tables")
+    parser.add_argument("--repeats", type=int, default=TTT_REPEATS, help="timed TTT steps per variant")
+    parser.add_argument("--ttt-variant", choices=("regraft", "reference"), help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, default=TTT_LENGTHS[0], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ttt_variant:  # a child process of ttt_table
+        print(json.dumps(ttt_variant(args.ttt_variant, args.length, args.repeats, TTT_STEPS)))
+        return 0
+    if args.only != "throughput":
+        Console(width=150).print(ttt_table(args.repeats))
+    if args.only == "ttt":
+        return 0
     torch.set_num_threads(2)
     init_distributed(launched=False, seed=0)
     table = Table(title=f"finetune step throughput (CPU, batch {MICRO_BATCH} x {MAX_LENGTH}, TTT {TTT_STEPS}, online)")

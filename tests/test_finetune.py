@@ -112,7 +112,7 @@ def test_resume_after_a_stop_ends_with_the_same_weights(trained_target, chats, t
 
 # ZeRO-3 reduce-scatters partitioned gradients: the sums run in another order than one rank's accumulation, and
 # Adam turns the last-bit differences of near-zero gradients into steps of up to lr (3e-3) per weight.
-@pytest.mark.parametrize("spawn,zero_stage,rel,atol", [("torchrun", 0, 1e-4, 1e-5), ("deepspeed", 3, 2e-3, 1e-2)])
+@pytest.mark.parametrize("spawn,zero_stage,rel,atol", [("torchrun", 0, 1e-4, 1e-5), ("deepspeed", 3, 2e-3, 2e-2)])
 def test_two_ranks_match_one_rank_with_the_same_global_batch(trained_target, chats, training_map, tmp_path,
                                                              spawn, zero_stage, rel, atol):
     common = [f"target={trained_target}", f"data={chats}", f"vocab_map={training_map}", "init=scratch",

@@ -2,6 +2,10 @@
 
 Aux hidden states are captured with forward hooks on the decoder layers (never all L hidden states at once), in
 either convention: "output of layer i" hooks layer i's output; "input of layer i" is layer i-1's output.
+
+Training needs only two things from the target's logits (`TargetSignals`): the argmax over the full vocab and the
+logits at the draft vocab's ids. Both come from the final hidden state times the lm_head in vocab chunks, so no
+[B, T, V] tensor exists (Kimi-K2.5's 163,840 ids: 1.3 GB in fp32 for one 2,048-token row).
 """
 from __future__ import annotations
 
@@ -16,11 +20,58 @@ from stages.common.drafter_config import OUTPUT_OF_LAYER, convert_aux_layer_ids
 from stages.common.errors import RegraftError
 
 
+HEAD_CHUNK_ELEMENTS = 2 ** 24  # logits per vocab chunk (64 MB in fp32): tokens x chunk rows
+
+
+@dataclass
+class TargetSignals:
+    """What TTT reads from the target's next-token logits, once per batch: the argmax over the full vocab (is the
+    target's next token in the draft vocab?) and the logits at the draft vocab's ids, in draft order."""
+
+    argmax: torch.Tensor  # [B, T] int64: the target's full-vocab argmax at each position
+    draft_logits: torch.Tensor  # [B, T, N]: logits[..., draft_ids], in the target's dtype
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, draft_ids: torch.Tensor) -> "TargetSignals":
+        """From full [B, T, V] logits (reference, tests, small vocabularies)."""
+        return cls(argmax=logits.argmax(-1), draft_logits=logits[..., draft_ids])
+
+    @classmethod
+    @torch.no_grad()
+    def from_hidden(cls, hidden: torch.Tensor, lm_head_weight: torch.Tensor, draft_ids: torch.Tensor,
+                    lm_head_bias: torch.Tensor | None = None,
+                    chunk_elements: int = HEAD_CHUNK_ELEMENTS) -> "TargetSignals":
+        """From the final hidden state [B, T, H] (after the final norm) and the lm_head [V, H]: the logits are
+        computed a vocab chunk at a time, keeping a running max/argmax (the first maximum wins, as in argmax) and
+        copying out the draft vocab's columns, so the head's matmul runs once and [B, T, V] never exists."""
+        *lead, width = hidden.shape
+        flat = hidden.reshape(-1, width).to(lm_head_weight.dtype)
+        vocab, tokens = lm_head_weight.shape[0], flat.shape[0]
+        chunk = min(vocab, max(256, chunk_elements // max(tokens, 1)))
+        draft_ids = draft_ids.to(flat.device)
+        best = torch.full((tokens,), float("-inf"), dtype=flat.dtype, device=flat.device)
+        argmax = torch.zeros(tokens, dtype=torch.int64, device=flat.device)
+        draft_logits = flat.new_empty(tokens, draft_ids.numel())
+        for start in range(0, vocab, chunk):
+            stop = min(start + chunk, vocab)
+            bias = None if lm_head_bias is None else lm_head_bias[start:stop]
+            logits = torch.nn.functional.linear(flat, lm_head_weight[start:stop], bias)  # [tokens, chunk]
+            values, indices = logits.max(-1)
+            better = values > best
+            best = torch.where(better, values, best)
+            argmax = torch.where(better, indices + start, argmax)
+            here = ((draft_ids >= start) & (draft_ids < stop)).nonzero().squeeze(-1)
+            if here.numel():
+                draft_logits[:, here] = logits[:, draft_ids[here] - start]
+        return cls(argmax=argmax.view(*lead), draft_logits=draft_logits.view(*lead, -1))
+
+
 @dataclass
 class TargetFeatures:
     aux_hidden: torch.Tensor  # [B, T, 3 * H_target], the aux layers concatenated in id order
-    logits: torch.Tensor  # [B, T, V], the target's next-token logits at every position
+    logits: torch.Tensor | None = None  # [B, T, V] next-token logits (`features`); batch_features leaves it None
     last_hidden: torch.Tensor | None = None  # [B, T, H_target] after the final norm: logits = lm_head(last_hidden)
+    signals: TargetSignals | None = None  # batch_features with draft ids: what TTT reads from the logits
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -88,9 +139,36 @@ class TargetModel:
         self._captured.clear()
         return TargetFeatures(aux_hidden=aux, logits=logits, last_hidden=last)
 
-    def batch_features(self, batch: dict[str, torch.Tensor]) -> TargetFeatures:
-        """Online: run the target on the batch."""
-        return self.features(batch["input_ids"], batch["attention_mask"])
+    def plain_head(self) -> tuple[nn.Module, nn.Linear] | None:
+        """The decoder body and the lm_head, where the logits are exactly lm_head(decoder output); None for a model
+        that transforms them further (softcapping, a logit scale) or does not expose the two parts."""
+        config = self.model.config
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else None
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        if decoder is None or not isinstance(head, nn.Linear) or getattr(config, "final_logit_softcapping", None) \
+                or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+            return None
+        return decoder, head
+
+    @torch.no_grad()
+    def batch_features(self, batch: dict[str, torch.Tensor], draft_ids: torch.Tensor | None = None) -> TargetFeatures:
+        """Online: run the target on the batch; with `draft_ids` also the TTT signals. Where the logits are the
+        lm_head's alone (`plain_head`), only the decoder body runs and its final hidden state meets the lm_head a
+        vocab chunk at a time (`TargetSignals.from_hidden`): no full logits are built and `logits` stays None."""
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        parts = self.plain_head()
+        if parts is None:  # the whole model, full logits and all
+            features = self.features(input_ids, attention_mask)
+            if draft_ids is not None:
+                features.signals = TargetSignals.from_logits(features.logits, draft_ids)
+            return features
+        decoder, head = parts
+        self._captured.clear()
+        last = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        aux = torch.cat([self._captured[i] for i in self.output_layer_ids], dim=-1)
+        self._captured.clear()
+        signals = None if draft_ids is None else TargetSignals.from_hidden(last, head.weight, draft_ids, head.bias)
+        return TargetFeatures(aux_hidden=aux, last_hidden=last, signals=signals)
 
 
 class TargetHead:
@@ -110,6 +188,12 @@ class TargetHead:
         return self.embedding(input_ids)
 
     @torch.no_grad()
-    def batch_features(self, batch: dict[str, torch.Tensor]) -> TargetFeatures:
-        """Offline: the batch carries the cached aux and final hidden states; only the lm_head runs."""
-        return TargetFeatures(aux_hidden=batch["aux_hidden"].float(), logits=batch["last_hidden"].float() @ self.lm_head.T)
+    def batch_features(self, batch: dict[str, torch.Tensor], draft_ids: torch.Tensor | None = None) -> TargetFeatures:
+        """Offline: the batch carries the cached aux and final hidden states; only the lm_head runs. With
+        `draft_ids`: the TTT signals, the lm_head a vocab chunk at a time (no [B, T, V] logits); without: the full
+        logits."""
+        aux, last = batch["aux_hidden"].float(), batch["last_hidden"].float()
+        if draft_ids is None:
+            return TargetFeatures(aux_hidden=aux, logits=last @ self.lm_head.T, last_hidden=last)
+        return TargetFeatures(aux_hidden=aux, last_hidden=last,
+                              signals=TargetSignals.from_hidden(last, self.lm_head, draft_ids))

@@ -2,25 +2,49 @@
 
 Alignment (SpecForge's): at position t, step 0 reads the target's aux hidden state of token t and the embedding of
 token t+1 and predicts token t+2; step k reads its own step k-1 output at t and the embedding of token t+1+k, at
-position id t+k, and predicts token t+2+k. The label is the target's next-token distribution restricted to the draft
-vocab (soft cross-entropy). A prediction carries loss only where the predicted token is an assistant token and the
-target's argmax lies in the draft vocab; the total is `sum(decay**k * loss_k)`.
+position id t+k, and predicts token p = t+2+k. The label is the target's next-token distribution at position p-1
+restricted to the draft vocab (soft cross-entropy); a prediction whose target argmax lies outside the draft vocab
+carries no loss and counts as wrong; `loss_k = -(mask * sum p log q).mean()` over all B*T positions and the total is
+`sum(decay**k * loss_k)`.
 
-Metrics come back as counts, so batches and ranks add up exactly: `full_acc_k` (right at step k over assistant
-tokens), `cond_acc_k` (right at step k where steps 0..k-1 were all right) and
-`sim_accept_len = 1 + sum_k prod_{i<=k} cond_acc_i`.
+Which predictions carry loss and count (`LossMask`, on the assistant mask `m`), for step k's prediction of p:
+- `drafted` (default): m[t+1], m[t+2], ..., m[p] all set. At inference the target emits the first token of every
+  answer itself (prefill or bonus token), so a chain starts from a verified token t+1 inside an answer and drafts
+  tokens of that same answer: the first token of a turn is never drafted, its end-of-turn marker is, the token after
+  it never is, and no chain crosses a user turn.
+- `specforge`: m[p-2] = m[t+k] (SpecForge 0.2.0 and EAGLE-3's cnets.py: the mask is never shifted with the inputs).
+- `speculators`: m[p-1] = m[t+1+k] (vllm-project/speculators; SpecForge issue #885 / PR #895).
+Step k has labels at t <= T-2-k (the target's logits at t+1+k, the last one predicting the token after the row);
+`drafted` counts that token as outside the mask.
+
+The target-side work runs once per batch (`TargetSignals`: the full-vocab argmax, the draft-vocab logits; here the
+in-draft-vocab check and the fp32 softmax); each step takes views shifted by k.
+
+Metrics come back as counts, so batches and ranks add up exactly: `full_acc_k` (right at step k over the positions
+the mask admits), `cond_acc_k` (right at step k where steps 0..k-1 were all right, over admitted positions where
+they were) and `sim_accept_len = 1 + sum_k prod_{i<=k} cond_acc_i`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from stages.common.eagle3 import Eagle3Drafter, TTTCache
+from stages.common.target import TargetSignals
 
 DECAY = 0.8  # weight of draft step k's loss is DECAY**k
+
+
+class LossMask(str, Enum):
+    """Which of step k's predictions (token p = t+2+k, at position t) carry loss and count, on the assistant mask m."""
+
+    drafted = "drafted"  # m[t+1..p] all set: only tokens inference drafts (not a turn's first, never across turns)
+    specforge = "specforge"  # m[p-2] = m[t+k]: SpecForge 0.2.0 / EAGLE-3 cnets.py
+    speculators = "speculators"  # m[p-1] = m[t+1+k]: speculators, SpecForge #885 / #895
 
 
 def shift_left(x: torch.Tensor, steps: int) -> torch.Tensor:
@@ -31,16 +55,41 @@ def shift_left(x: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.cat((x[:, steps:], pad), dim=1)
 
 
+def draft_vocab_ids(drafter: Eagle3Drafter) -> torch.Tensor:
+    """[N] the target id of every draft id, in draft order."""
+    return drafter.draft_to_target(torch.arange(drafter.d2t.numel(), device=drafter.d2t.device))
+
+
+def loss_gates(loss_mask: torch.Tensor, rule: LossMask | str, ttt_steps: int) -> list[torch.Tensor]:
+    """Per step k, [B, T-1-k] bool: whether step k's prediction at position t (of token p = t+2+k) counts, by
+    `rule`. Position t runs to T-2-k, the last with a label (the target's logits at t+1+k); `drafted` counts the
+    token after the row (p = T) as outside the mask."""
+    mask, rule = loss_mask.to(torch.bool), LossMask(rule)
+    T = mask.shape[1]
+    beyond = torch.cat((mask, mask.new_zeros(mask.shape[0], 1)), dim=1)  # m[T] = False
+    gates: list[torch.Tensor] = []
+    for k in range(ttt_steps):
+        L = max(T - 1 - k, 0)
+        if rule is LossMask.drafted:  # m[t+1] & ... & m[t+2+k]: one more token each step
+            gate = beyond[:, 1:T] & beyond[:, 2:] if k == 0 else gates[-1][:, :L] & beyond[:, 2 + k:]
+        elif rule is LossMask.specforge:
+            gate = mask[:, k:T - 1]
+        else:
+            gate = mask[:, 1 + k:]
+        gates.append(gate[:, :L])
+    return gates
+
+
 @dataclass
 class TTTStats:
     """Per-step sums over a batch: losses (already decayed-weighted in `loss`) and accuracy counts."""
 
     loss: torch.Tensor  # scalar: sum_k decay**k * loss_k, what backward() runs on
     step_losses: torch.Tensor  # [K]
-    correct: torch.Tensor  # [K] assistant positions predicted right
-    valid: torch.Tensor  # [K] assistant positions
+    correct: torch.Tensor  # [K] admitted positions predicted right
+    valid: torch.Tensor  # [K] positions the loss mask admits
     cond_correct: torch.Tensor  # [K] right where every earlier step was right
-    cond_valid: torch.Tensor  # [K] assistant positions where every earlier step was right
+    cond_valid: torch.Tensor  # [K] admitted positions where every earlier step was right
 
     def metrics(self) -> dict[str, float]:
         return ttt_metrics(self.step_losses, self.correct, self.valid, self.cond_correct, self.cond_valid)
@@ -62,33 +111,40 @@ def ttt_metrics(step_losses: torch.Tensor, correct: torch.Tensor, valid: torch.T
 
 
 def ttt_forward(drafter: Eagle3Drafter, embed: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor,
-                loss_mask: torch.Tensor, aux_hidden: torch.Tensor, target_logits: torch.Tensor, ttt_steps: int,
-                decay: float = DECAY) -> TTTStats:
-    """Unroll the drafter over a batch of target features; see the module docstring for the alignment."""
+                loss_mask: torch.Tensor, aux_hidden: torch.Tensor, target: TargetSignals, ttt_steps: int,
+                rule: LossMask | str = LossMask.drafted, decay: float = DECAY) -> TTTStats:
+    """Unroll the drafter over a batch of target features; see the module docstring for the alignment and `rule`."""
     B, T = input_ids.shape
-    draft_ids = drafter.d2t + torch.arange(drafter.d2t.numel(), device=drafter.d2t.device)
-    loss_mask = loss_mask.to(torch.bool)
+    if target.draft_logits.shape[-1] != drafter.d2t.numel():
+        raise ValueError(f"target signals over {target.draft_logits.shape[-1]} draft ids, the drafter has "
+                         f"{drafter.d2t.numel()}")
+    # Once per batch: index j holds the target's view of token j+1 (its next-token logits at position j).
+    with torch.no_grad():
+        in_vocab = drafter.t2d[target.argmax]  # [B, T]
+        target_p = torch.softmax(target.draft_logits, dim=-1, dtype=torch.float32)  # [B, T, N]
+        target_top = target_p.argmax(-1)  # [B, T]
+    gates = loss_gates(loss_mask, rule, ttt_steps)
     positions = torch.arange(T, device=input_ids.device)[None].expand(B, T)
     hidden = drafter.project_aux(aux_hidden)
     cache = TTTCache()
     all_right_so_far = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
     losses, stats = [], {name: [] for name in ("correct", "valid", "cond_correct", "cond_valid")}
-    total = hidden.new_zeros(())
+    total = hidden.new_zeros((), dtype=torch.float32)
     for k in range(ttt_steps):
-        logits_k = shift_left(target_logits, 1 + k)  # the target's distribution for token t+2+k
-        assistant = shift_left(loss_mask, 2 + k)
-        in_vocab = drafter.t2d[logits_k.argmax(-1)]
-        position_mask = (assistant & in_vocab).to(hidden.dtype)
-        target_p = torch.softmax(logits_k[..., draft_ids].float(), dim=-1)
+        L = max(T - 1 - k, 0)  # positions t with a label for token t+2+k: the target's logits at t+1+k
+        gate = gates[k]
+        position_mask = gate & in_vocab[:, 1 + k:]
         out = drafter(embed(shift_left(input_ids, 1 + k)), hidden, positions + k, cache=cache)
-        log_p = F.log_softmax(out.logits.float(), dim=-1)
-        loss_k = -(position_mask * (target_p * log_p).sum(-1)).mean()
-        right = (out.logits.argmax(-1) == target_p.argmax(-1)) & assistant & in_vocab
+        logits = out.logits[:, :L]
+        log_p = F.log_softmax(logits.float(), dim=-1)
+        loss_k = -(position_mask * (target_p[:, 1 + k:] * log_p).sum(-1)).sum() / (B * T)
+        right = (logits.argmax(-1) == target_top[:, 1 + k:]) & position_mask
+        so_far = all_right_so_far[:, :L]
         stats["correct"].append(right.sum())
-        stats["valid"].append(assistant.sum())
-        stats["cond_correct"].append((right & all_right_so_far).sum())
-        stats["cond_valid"].append((assistant & all_right_so_far).sum())
-        all_right_so_far = all_right_so_far & right
+        stats["valid"].append(gate.sum())
+        stats["cond_correct"].append((right & so_far).sum())
+        stats["cond_valid"].append((gate & so_far).sum())
+        all_right_so_far = so_far & right
         losses.append(loss_k.detach())
         total = total + decay ** k * loss_k
         hidden = out.hidden

@@ -18,6 +18,7 @@ from stages.common.artifacts import read_manifest
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.target import TargetHead, TargetModel
+from stages.common.ttt import LossMask
 from stages.common.vocab import RemapPlan, VocabMap, compare_vocab_maps
 from stages.finetune.loop import run_ttt
 
@@ -82,15 +83,15 @@ def preflight(cfg: DictConfig, drafter: Eagle3Drafter, own_map: VocabMap | None,
     """Step-0 numbers of the init on one batch, beside the same drafter remapped; the guard then decides."""
     if own_map is None:
         with torch.no_grad():
-            fresh = evaluate_batch(drafter, target, batch, cfg.ttt_steps)
+            fresh = evaluate_batch(drafter, target, batch, cfg.ttt_steps, cfg.loss_mask)
         return Preflight(training_map.draft_vocab_size, training_map.draft_vocab_size,
                                training_map.draft_vocab_size, step0_acc=fresh["full_acc_0"],
                                step0_loss=fresh["loss_0"])
     checked = compare_with_training_map(own_map, training_map)
     trained_on_new_map = remapped_in_memory(drafter, own_map, training_map)
     with torch.no_grad():
-        as_given = evaluate_batch(drafter, target, batch, cfg.ttt_steps)
-        remapped = evaluate_batch(trained_on_new_map, target, batch, cfg.ttt_steps)
+        as_given = evaluate_batch(drafter, target, batch, cfg.ttt_steps, cfg.loss_mask)
+        remapped = evaluate_batch(trained_on_new_map, target, batch, cfg.ttt_steps, cfg.loss_mask)
         as_is = remap_source_as_is(cfg, training_map, target, batch)
     result = Preflight(checked.positions_agree, checked.draft_vocab_size, checked.shared_ids,
                              step0_acc=as_given["full_acc_0"], step0_loss=as_given["loss_0"],
@@ -112,9 +113,9 @@ def remap_source_as_is(cfg: DictConfig, training_map: VocabMap, target: TargetMo
     if unmapped.config.draft_vocab_size != training_map.draft_vocab_size:
         return {}
     unmapped.set_vocab_map(training_map)
-    return evaluate_batch(unmapped, target, batch, cfg.ttt_steps)
+    return evaluate_batch(unmapped, target, batch, cfg.ttt_steps, cfg.loss_mask)
 
 
 def evaluate_batch(drafter: Eagle3Drafter, target: TargetModel | TargetHead, batch: dict[str, torch.Tensor],
-                   ttt_steps: int) -> dict[str, float]:
-    return run_ttt(drafter, target, batch, ttt_steps).metrics()
+                   ttt_steps: int, loss_mask: LossMask | str = LossMask.drafted) -> dict[str, float]:
+    return run_ttt(drafter, target, batch, ttt_steps, loss_mask).metrics()

@@ -25,15 +25,16 @@ from tqdm import tqdm
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.target import TargetHead, TargetModel
-from stages.common.ttt import TTTStats, ttt_forward, ttt_metrics
+from stages.common.ttt import LossMask, TTTStats, draft_vocab_ids, ttt_forward, ttt_metrics
 
 
 def run_ttt(drafter: Eagle3Drafter, target: TargetModel | TargetHead, batch: dict[str, torch.Tensor],
-            ttt_steps: int) -> TTTStats:
-    """One unrolled pass; `target` runs the target (online) or reads cached states from the batch (offline)."""
-    features = target.batch_features(batch)
+            ttt_steps: int, loss_mask: LossMask | str = LossMask.drafted) -> TTTStats:
+    """One unrolled pass; `target` runs the target (online) or reads cached states from the batch (offline), and
+    gives the full-vocab argmax and the draft-vocab logits once per batch; `loss_mask` picks the TTT loss mask."""
+    features = target.batch_features(batch, draft_ids=draft_vocab_ids(drafter))
     return ttt_forward(drafter, target.embed, batch["input_ids"], batch["loss_mask"], features.aux_hidden,
-                       features.logits, ttt_steps)
+                       features.signals, ttt_steps, loss_mask)
 
 
 # ---------------------------------------------------------------- DeepSpeed
@@ -115,7 +116,7 @@ def validate(drafter: Eagle3Drafter, target: TargetModel, val: dict[str, torch.T
     sums, batches = None, 0
     with torch.no_grad():
         for batch in micro_batches(val, size, 0, cfg.seed, 0, 1):
-            stats = run_ttt(drafter, target, batch, cfg.ttt_steps)
+            stats = run_ttt(drafter, target, batch, cfg.ttt_steps, cfg.loss_mask)
             counts = [stats.step_losses, stats.correct, stats.valid, stats.cond_correct, stats.cond_valid]
             sums = counts if sums is None else [a + b for a, b in zip(sums, counts)]
             batches += 1
@@ -170,7 +171,8 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
     per_epoch = train_data["input_ids"].shape[0] // (cfg.micro_batch_size * world) // accumulation
     if per_epoch == 0:
         raise RegraftError(cfg.data, "fewer conversations than one global batch", "lower micro_batch_size or add data")
-    total_steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
+    scheduled = per_epoch * cfg.epochs
+    total_steps = scheduled if cfg.max_steps is None else min(scheduled, cfg.max_steps)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.deepspeed.betas),
                                   weight_decay=cfg.deepspeed.weight_decay)
     engine, _, _, scheduler = deepspeed.initialize(model=drafter, optimizer=optimizer,
@@ -205,7 +207,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
     while progress.step < total_steps and progress.epoch < cfg.epochs:
         for batch in micro_batches(train_data, cfg.micro_batch_size, progress.epoch, cfg.seed, rank, world,
                                    skip=progress.batch, accumulation=accumulation):
-            stats = run_ttt(engine.module, target, batch, cfg.ttt_steps)
+            stats = run_ttt(engine.module, target, batch, cfg.ttt_steps, cfg.loss_mask)
             engine.backward(stats.loss)
             lr, grad_norm = optimizer_step(engine, scheduler)
             progress.batch += 1
