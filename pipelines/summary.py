@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -25,56 +26,128 @@ def fmt(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+ROLES = {"probe": "phase0", "finetune": "phase1", "evaluate": "phase1", "baseline_finetune": "scratch",
+         "baseline_evaluate": "scratch"}  # a node's role in the parent's metric names: `accept_len/phase1`
+
+
+def one_computation(results: dict[str, dict]) -> list[list[str]]:
+    """Nodes that are one computation (same stage, same cache key): with finetune.init=scratch the fine-tune is the
+    baseline's, and its evaluation the baseline's evaluation."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, result in results.items():
+        groups.setdefault((result["stage"], result["key"]), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def phase1_is_scratch(results: dict[str, dict]) -> bool:
+    return any({"finetune", "baseline_finetune"} <= set(group) for group in one_computation(results))
+
+
 def headline_numbers(results: dict[str, dict]) -> dict[str, Any]:
-    """The numbers that tell the story, flat, for tables and the parent run."""
+    """The numbers that tell the story, for tables and the parent run, named as MLflow shows them: the child run's
+    metric name plus the node's role (`accept_len/phase0|phase1|scratch`, `val/full_acc_0/phase1`, ...). When the
+    fine-tune is the scratch baseline (one cache key) the `/scratch` figures are left out, not shown twice."""
     def metric(node: str, key: str) -> Any:
         return results.get(node, {}).get("metrics", {}).get(key)
 
-    numbers = {"phase0_accept_len": metric("probe", "accept_len"),
-               "phase1_accept_len": metric("evaluate", "accept_len"),
-               "baseline_accept_len": metric("baseline_evaluate", "accept_len"),
+    numbers = {"accept_len/phase0": metric("probe", "accept_len"),
+               "accept_len/phase1": metric("evaluate", "accept_len"),
+               "accept_len/scratch": metric("baseline_evaluate", "accept_len"),
                "positions_agree": metric("compare", "positions_agree"),
                "shared_ids": metric("compare", "shared_ids")}
-    for prefix, node in (("finetune", "finetune"), ("baseline", "baseline_finetune")):
-        numbers[f"{prefix}_step0_loss"] = metric(node, "preflight_step0_loss")
-        numbers[f"{prefix}_step0_acc"] = metric(node, "preflight_step0_acc")
-        numbers[f"{prefix}_val_full_acc_0"] = metric(node, "val_full_acc_0")
-    numbers["as_is_step0_loss"] = metric("finetune", "preflight_as_is_step0_loss")
-    numbers["as_is_step0_acc"] = metric("finetune", "preflight_as_is_step0_acc")
+    for name in ("step0_loss", "step0_acc"):  # the source lm_head as it is: phase 0's, measured by a fine-tune's guard
+        numbers[f"preflight/{name}/phase0"] = next((value for value in (
+            metric("finetune", f"preflight_as_is_{name}"), metric("baseline_finetune", f"preflight_as_is_{name}"))
+            if value is not None), None)
+        numbers[f"preflight/{name}/phase1"] = metric("finetune", f"preflight_{name}")
+        numbers[f"preflight/{name}/scratch"] = metric("baseline_finetune", f"preflight_{name}")
+    numbers["val/full_acc_0/phase1"] = metric("finetune", "val_full_acc_0")
+    numbers["val/full_acc_0/scratch"] = metric("baseline_finetune", "val_full_acc_0")
+    phase1 = numbers["accept_len/phase1"]
+    for other in ("phase0", "scratch"):
+        if phase1 is not None and numbers[f"accept_len/{other}"] is not None:
+            numbers[f"accept_len/gain_over_{other}"] = phase1 - numbers[f"accept_len/{other}"]
+    if phase1_is_scratch(results):
+        numbers = {key: value for key, value in numbers.items() if not key.endswith("scratch")}
     return {key: value for key, value in numbers.items() if value is not None}
 
 
-def stage_table(results: dict[str, NodeResult]) -> Table:
-    table = Table(title="regraft: stages")
-    for column in ("stage", "phase", "cache", "seconds", "overhead", "result"):
-        table.add_column(column, justify="right" if column in ("seconds", "overhead") else "left")
+def stage_table(results: dict[str, NodeResult]) -> FittedTable:
+    """One line per stage at any width (80 columns and up): the result is cut with an ellipsis where it does not
+    fit (each stage's whole result was printed when it finished)."""
+    rows = []
+    first: dict[tuple[str, str], str] = {}
     for result in results.values():
-        table.add_row(result.name, result.phase, "hit" if result.hit else "ran", f"{result.seconds:.1f}",
-                      f"{result.overhead_seconds:.1f}", result.headline)
-    return table
+        same = first.setdefault((result.stage, result.key), result.name)
+        shown = result.headline if same == result.name else f"same computation as {same} (one cache key)"
+        rows.append((result.name, result.phase, "hit" if result.hit else "ran", f"{result.seconds:.1f}",
+                     f"{result.overhead_seconds:.1f}", shown))
+    return fitted_table("regraft: stages", ("stage", "phase", "cache", "s", "job s", "result"), rows,
+                        right=("s", "job s"))
 
 
-def story_table(numbers: dict[str, Any], title: str = "regraft: phase 0 vs phase 1") -> Table:
-    table = Table(title=title)
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    labels = {"phase0_accept_len": "accept_len, phase 0 (source drafter as it is)",
-              "phase1_accept_len": "accept_len, phase 1 (remap + fine-tune)",
-              "baseline_accept_len": "accept_len, from-scratch baseline",
-              "shared_ids": "draft ids shared by the source and new maps",
-              "positions_agree": "draft positions that point at the same token",
-              "as_is_step0_loss": "step-0 loss, source lm_head as it is",
-              "finetune_step0_loss": "step-0 loss, fine-tune init",
-              "baseline_step0_loss": "step-0 loss, from scratch",
-              "as_is_step0_acc": "step-0 accuracy, source lm_head as it is",
-              "finetune_step0_acc": "step-0 accuracy, fine-tune init",
-              "baseline_step0_acc": "step-0 accuracy, from scratch",
-              "finetune_val_full_acc_0": "val accuracy (step 0) after fine-tune",
-              "baseline_val_full_acc_0": "val accuracy (step 0) after scratch"}
-    for key, label in labels.items():
-        if key in numbers:
-            table.add_row(label, fmt(numbers[key], 0 if key in ("shared_ids", "positions_agree") else 3))
-    return table
+class FittedTable:
+    """A table whose columns are as wide as their widest cell, except the last, which takes what the terminal has
+    left and ends in an ellipsis where that is not enough: one line per row at any width, never a wrapped cell."""
+
+    def __init__(self, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], right: tuple[str, ...] = (),
+                 caption: str | None = None, dim_last: bool = False):
+        self.title, self.columns, self.rows, self.right = title, columns, rows, right
+        self.caption, self.dim_last = caption, dim_last
+
+    def table(self, width: int) -> Table:
+        widths = [max([len(column), *(len(str(row[i])) for row in self.rows)]) for i, column in enumerate(self.columns)]
+        used = sum(widths[:-1]) + 3 * (len(widths) - 1)  # a cell's padding and the column separator
+        widths[-1] = max(min(widths[-1], width - used), min(len(self.columns[-1]), 8))
+        table = Table(title=self.title, caption=self.caption, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        for index, (column, column_width) in enumerate(zip(self.columns, widths)):
+            last = index == len(self.columns) - 1
+            table.add_column(column, width=column_width, no_wrap=True, overflow="ellipsis",
+                             justify="right" if column in self.right else "left",
+                             style="dim" if last and self.dim_last else None)
+        for row in self.rows:
+            table.add_row(*row)
+        return table
+
+    def __rich_console__(self, console: Console, options: Any) -> Any:
+        yield self.table(options.max_width)
+
+
+def fitted_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], right: tuple[str, ...] = (),
+                 caption: str | None = None, dim_last: bool = False) -> FittedTable:
+    return FittedTable(title, columns, rows, right, caption, dim_last)
+
+
+LABELS = {"accept_len/phase0": "accept_len, phase 0 (source as it is)",
+          "accept_len/phase1": "accept_len, phase 1 (fine-tuned)",
+          "accept_len/scratch": "accept_len, from-scratch baseline",
+          "shared_ids": "draft ids shared by the two maps",
+          "positions_agree": "draft positions at the same token",
+          "preflight/step0_loss/phase0": "step-0 loss, source lm_head as it is",
+          "preflight/step0_loss/phase1": "step-0 loss, fine-tune init",
+          "preflight/step0_loss/scratch": "step-0 loss, from scratch",
+          "preflight/step0_acc/phase0": "step-0 acc, source lm_head as it is",
+          "preflight/step0_acc/phase1": "step-0 acc, fine-tune init",
+          "preflight/step0_acc/scratch": "step-0 acc, from scratch",
+          "val/full_acc_0/phase1": "val acc (step 0) after fine-tune",
+          "val/full_acc_0/scratch": "val acc (step 0) after scratch"}
+
+
+def story_table(numbers: dict[str, Any], title: str = "regraft: phase 0 vs phase 1", caption: str | None = None
+                ) -> FittedTable:
+    """The story, each figure beside its name in the parent MLflow run."""
+    rows = [(label, fmt(numbers[key], 0 if key in ("shared_ids", "positions_agree") else 3), key)
+            for key, label in LABELS.items() if key in numbers]
+    return fitted_table(title, ("measure", "value", "MLflow"), rows, right=("value",), caption=caption,
+                        dim_last=True)
+
+
+def story_caption(summary: dict) -> str | None:
+    """Said under the story table when phase 1 and the baseline are one computation."""
+    if not summary.get("phase1_is_scratch"):
+        return None
+    return "finetune.init=scratch: the fine-tune is the from-scratch baseline (one cache key), so phase 1 is the " \
+           "scratch result; it is not shown twice"
 
 
 def per_step_accuracy(results: dict[str, dict], node: str) -> list[float]:
@@ -144,37 +217,67 @@ def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, o
     stages = {name: {**asdict(result), "overhead_seconds": round(result.overhead_seconds, 3)}
               for name, result in results.items()}
     summary = {"overrides": overrides, "wall_seconds": round(wall_seconds, 2), "numbers": headline_numbers(stages),
+               "one_computation": one_computation(stages), "phase1_is_scratch": phase1_is_scratch(stages),
                "stages": stages, "config": config}
     write_json_atomic(run_dir / "summary.json", summary)
     return summary
 
 
+SWEEP_COLUMNS = (("accept_len/phase0", "phase 0"), ("accept_len/phase1", "phase 1"),
+                 ("accept_len/scratch", "scratch"), ("val/full_acc_0/phase1", "val acc0"))
+
+
+def varying(members: list[dict], swept: list[str]) -> list[str]:
+    """The keys a sweep varies: those given with several values, else those whose values differ among members."""
+    from pipelines.tracking import override_key
+
+    given = [{override_key(o): o.split("=", 1)[-1] for o in member["overrides"]} for member in members]
+    keys = [key for key in swept if any(key in overrides for overrides in given)]
+    if keys:
+        return keys
+    every = list(dict.fromkeys(key for overrides in given for key in overrides))
+    return [key for key in every if len({overrides.get(key) for overrides in given}) > 1]
+
+
 class SweepSummary(Callback):
-    """After `regraft -m ...`: one table and one summary.json over all sweep members."""
+    """After `regraft -m ...`: one table and one summary.json over all sweep members, showing only the overrides the
+    sweep varies (80 columns)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from pipelines.tracking import override_key, short_keys, swept_keys
+
         sweep_dir = Path(config.hydra.sweep.dir)
         members = []
         for path in sorted(sweep_dir.glob("*/summary.json"), key=lambda p: int(p.parent.name)
                            if p.parent.name.isdigit() else 0):
             summary = json.loads(path.read_text())
             members.append({"member": path.parent.name, "overrides": summary["overrides"],
-                            "numbers": summary["numbers"], "ran": [n for n, s in summary["stages"].items()
-                                                                   if not s["hit"]]})
+                            "numbers": summary["numbers"], "phase1_is_scratch": summary.get("phase1_is_scratch", False),
+                            "ran": [n for n, s in summary["stages"].items() if not s["hit"]]})
         if not members:
             return
-        write_json_atomic(sweep_dir / "summary.json", {"members": members})
-        keys = [k for k in ("phase0_accept_len", "phase1_accept_len", "baseline_accept_len", "finetune_step0_loss",
-                            "finetune_val_full_acc_0") if any(k in m["numbers"] for m in members)]
-        table = Table(title=f"regraft sweep: {len(members)} members")
-        table.add_column("member")
-        table.add_column("overrides")
-        for key in keys:
-            table.add_column(key, justify="right")
-        table.add_column("stages run", justify="right")
+        params = config.hydra.sweeper.get("params")
+        keys = varying(members, swept_keys(list(config.hydra.overrides.task),
+                                           OmegaConf.to_container(params) if params else None))
         for member in members:
-            table.add_row(member["member"], " ".join(member["overrides"]),
-                          *[fmt(member["numbers"].get(key)) for key in keys], str(len(member["ran"])))
+            values = {override_key(o): o.split("=", 1)[-1] for o in member["overrides"]}
+            member["varies"] = {key: values.get(key, "") for key in keys}
+        write_json_atomic(sweep_dir / "summary.json", {"swept": keys, "members": members})
+        columns = [(key, label) for key, label in SWEEP_COLUMNS if any(key in m["numbers"] for m in members)]
+        table = Table(title=f"regraft sweep: {len(members)} members", box=box.SIMPLE_HEAD, pad_edge=False,
+                      caption="=phase 1: finetune.init=scratch, so the fine-tune is the scratch baseline"
+                      if any(m["phase1_is_scratch"] for m in members) else None)
+        table.add_column("#", justify="right", no_wrap=True)
+        short = short_keys(keys)
+        for key in keys:
+            table.add_column(short[key], no_wrap=True, overflow="ellipsis")
+        for _, label in columns:
+            table.add_column(label, justify="right", no_wrap=True)
+        table.add_column("ran", justify="right", no_wrap=True)
+        for member in members:
+            shown = ["=phase 1" if member["phase1_is_scratch"] and key.endswith("/scratch")
+                     else fmt(member["numbers"].get(key)) for key, _ in columns]
+            table.add_row(member["member"], *member["varies"].values(), *shown, str(len(member["ran"])))
         console = Console()
         console.print(table)
-        console.print(f"sweep summary: {sweep_dir / 'summary.json'}")
+        console.print(f"sweep summary: {sweep_dir / 'summary.json'}", highlight=False, soft_wrap=True)

@@ -80,22 +80,33 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
     assert stages["remap"]["metrics"]["rows_remapped"] == stages["compare"]["metrics"]["shared_ids"]
     assert list((run_dir / "jobs").iterdir())  # submitit job folders and logs
     numbers = first_run["numbers"]
-    assert {"phase0_accept_len", "phase1_accept_len", "baseline_accept_len", "as_is_step0_loss",
-            "finetune_step0_loss"} <= set(numbers)
+    assert {"accept_len/phase0", "accept_len/phase1", "accept_len/scratch", "preflight/step0_loss/phase0",
+            "preflight/step0_loss/phase1", "val/full_acc_0/phase1"} <= set(numbers)
+    assert not (run_dir / "jobs" / "%j").exists()  # one job folder per stage, no empty "%j"
 
     client = mlflow_client(outputs)
+    experiment = client.get_experiment_by_name("regraft")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on its runs
     parent = parent_runs(client)[-1]
-    assert parent.info.status == "FINISHED" and parent.data.metrics["phase1_accept_len"] == numbers["phase1_accept_len"]
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "debug=tiny"
+    assert {key: parent.data.metrics[key] for key in numbers} == numbers  # the summary's numbers, by the same names
+    assert parent.data.metrics["stages/ran"] == len(NODES) and parent.data.metrics["stages/hit"] == 0
     children = child_runs(client, parent.info.run_id)
     assert set(children) == set(NODES)
+    assert children["evaluate"].data.metrics["accept_len"] == numbers["accept_len/phase1"]
     finetune = children["finetune"]
     assert finetune.data.params["lr"] == "0.003" and finetune.data.params["init"] == "remap"
     assert finetune.data.params["deepspeed.zero_stage"] == "0"
     assert finetune.data.tags["cache_hit"] == "false" and finetune.data.tags["cache_key"] == stages["finetune"]["key"]
     assert finetune.data.tags["stage"] == "finetune" and finetune.data.tags["phase"] == "1"
-    history = client.get_metric_history(finetune.info.run_id, "train.loss")
+    history = client.get_metric_history(finetune.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == [1, 2, 3, 4]
-    assert finetune.data.metrics["val_full_acc_0"] == stages["finetune"]["metrics"]["val_full_acc_0"]
+    assert finetune.data.metrics["val/full_acc_0"] == stages["finetune"]["metrics"]["val_full_acc_0"]
+    assert numbers["val/full_acc_0/phase1"] == stages["finetune"]["metrics"]["val_full_acc_0"]
+    names = set(finetune.data.metrics)  # one name per figure: no `val.loss` beside `val_loss`
+    assert not [name for name in names if "." in name or name.startswith(("val_", "preflight_"))], names
+    assert {"train/loss", "val/loss", "preflight/step0_loss", "stage_seconds"} <= names
+    assert {"accept_len", "turn/accept_len"} <= set(children["probe"].data.metrics)
     assert "sha256.drafter/model.safetensors" in finetune.data.tags
     artifacts = {item.path for item in client.list_artifacts(children["evaluate"].info.run_id)}
     assert {"manifest.json", "per_prompt.csv", "report.json", "acceptance.png"} <= artifacts
@@ -110,9 +121,15 @@ def test_a_second_run_runs_nothing_yet_tracks_every_stage(first_run, outputs):
     assert ran(again) == set()
     assert again["numbers"] == first_run["numbers"]
     client = mlflow_client(outputs)
-    children = child_runs(client, parent_runs(client)[-1].info.run_id)
+    first, parent = parent_runs(client)[-2:]
+    assert parent.data.metrics["stages/ran"] == 0 and parent.data.metrics["stages/hit"] == len(NODES)
+    children, originals = child_runs(client, parent.info.run_id), child_runs(client, first.info.run_id)
     assert set(children) == set(NODES) and {run.data.tags["cache_hit"] for run in children.values()} == {"true"}
-    assert children["finetune"].data.metrics["val_loss"] == first_run["stages"]["finetune"]["metrics"]["val_loss"]
+    assert children["finetune"].data.metrics["val/loss"] == first_run["stages"]["finetune"]["metrics"]["val_loss"]
+    for name, run in children.items():  # no second upload: the first run's child holds the artifacts
+        assert run.data.tags["artifacts_run"] == originals[name].info.run_id, name
+        assert not client.list_artifacts(run.info.run_id), name
+        assert run.data.metrics["stage_seconds"] == originals[name].data.metrics["stage_seconds"], name
 
 
 def test_a_changed_option_reruns_exactly_the_stages_downstream(first_run, outputs):
@@ -132,6 +149,18 @@ def test_a_sweep_runs_shared_stages_once(first_run, outputs):
     # and the scratch member's finetune (one key), so it runs once; everything upstream is cached.
     assert [sorted(member["ran"]) for member in members] == [
         ["baseline_evaluate", "baseline_finetune", "evaluate", "finetune"], []]
+    assert json.loads((sweep_dir / "summary.json").read_text())["swept"] == ["finetune.init"]
+    client = mlflow_client(outputs)
+    members = {run.data.tags.get("member"): run for run in parent_runs(client)[-2:]}
+    assert {run.info.run_name for run in members.values()} == {"init=remap", "init=scratch"}  # what varies, only
+    for number, run in members.items():
+        assert run.data.tags["sweep"] == sweep_dir.name and run.data.tags["swept"] == "finetune.init"
+        children = child_runs(client, run.info.run_id)
+        assert {child.data.tags["finetune.init"] for child in children.values()} == {run.data.tags["finetune.init"]}
+    scratch = members["1"]  # its fine-tune is its baseline: one result, said once
+    assert scratch.data.tags["finetune.init"] == "scratch" and scratch.data.tags["phase1_is_scratch"] == "true"
+    assert "accept_len/phase1" in scratch.data.metrics and "accept_len/scratch" not in scratch.data.metrics
+    assert child_runs(client, scratch.info.run_id)["baseline_finetune"].data.tags["same_computation_as"] == "finetune"
     again = regraft(outputs, *sweep, multirun=True)
     assert again.returncode == 0, again.stderr[-3000:]
     members = json.loads((sorted((outputs / "sweeps").iterdir())[-1] / "summary.json").read_text())["members"]
