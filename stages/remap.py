@@ -190,7 +190,8 @@ def run(cfg: DictConfig) -> StageResult:
     comparison = compare_vocab_maps(source_map, dest)
     layout = source.layout if cfg.layout == OutputLayout.source else OutputLayout(cfg.layout).value
     layer = {**source.config.layer, "vocab_size": dest.vocab_size}
-    config = replace(source.config, layer=layer, draft_vocab_size=dest.draft_vocab_size)
+    config = replace(source.config, layer=layer, draft_vocab_size=dest.draft_vocab_size,
+                     verifier=str(Path(cfg.verifier).absolute()) if cfg.verifier else source.config.verifier)
     tensors = plan_tensors(cfg, source, dest, plan, verifier)
     metrics = {**asdict(counts), "positions_agree_before": comparison.positions_agree,
                "shared_ids": comparison.shared_ids}

@@ -38,9 +38,26 @@ def test_sglang_speculators_sglang_round_trip_is_lossless(make_drafter, vocab_si
     spec_config = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert spec_config["speculators_model_type"] == "eagle3"
     assert spec_config["transformer_layer_config"]["vocab_size"] == vocab_size
-    assert spec_config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    # the same layers (outputs of layers 0-2), named as vLLM and speculators read them: the state after j layers
+    assert spec_config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert spec_config["regraft"]["aux_convention"] == INPUT_OF_LAYER
     convert_checkpoint(tmp_path / "spec", tmp_path / "back", "sglang")
     assert_same_checkpoint(source, tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+
+
+def test_each_layout_carries_the_ids_its_engines_read_and_names_its_verifier(make_drafter, vocab_size, target_dir,
+                                                                          tmp_path):
+    source = make_drafter(random_map(vocab_size, 64, seed=1), layout="sglang")
+    convert_checkpoint(source, tmp_path / "spec", "speculators", verifier=str(target_dir))
+    spec = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)
+    assert DrafterCheckpoint.open(tmp_path / "spec").config.verifier == str(target_dir)
+    convert_checkpoint(tmp_path / "spec", tmp_path / "kept", "speculators", aux_convention=OUTPUT_OF_LAYER)
+    assert json.loads((tmp_path / "kept" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    back = DrafterCheckpoint.open(tmp_path / "kept").config.with_aux_convention(INPUT_OF_LAYER)
+    assert back.aux_layer_ids == [1, 2, 3] and back.verifier == str(target_dir)
 
 
 def test_speculators_extras_survive_round_trip(make_drafter, vocab_size, tmp_path):

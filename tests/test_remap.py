@@ -14,6 +14,7 @@ from stages import remap
 from stages.common.artifacts import read_manifest, staged_output
 from stages.common.checkpoint import DrafterCheckpoint
 from stages.common.stage import compose_stage
+from stages.common.drafter_config import OUTPUT_OF_LAYER
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.verifier import Verifier
@@ -144,7 +145,9 @@ def test_speculators_source_to_sglang_rebuilds_verifier_lm_head(make_drafter, ma
     out = DrafterCheckpoint.open(tmp_path / "out")
     assert out.layout == "sglang"
     assert torch.equal(out.tensor("verifier_lm_head.weight"), verifier_lm_head(target_dir)[dest_map.target_ids])
-    assert out.config.aux_layer_ids == DrafterCheckpoint.open(source).config.aux_layer_ids
+    # the same layers, named in the convention SGLang reads (the speculators source names them as vLLM reads them)
+    assert out.config.aux_layer_ids == DrafterCheckpoint.open(source).config.with_aux_convention(
+        OUTPUT_OF_LAYER).aux_layer_ids
 
 
 def test_remap_onto_its_own_map_changes_nothing(make_drafter, maps, target_dir, tmp_path):

@@ -20,7 +20,8 @@ from typing import Iterator
 
 import torch
 
-from stages.common.drafter_config import CONVENTIONS, LAYOUTS, DrafterConfig, Layout, parse_config, render_config
+from stages.common.drafter_config import (CONVENTIONS, LAYOUT_CONVENTION, LAYOUTS, DrafterConfig, Layout, parse_config,
+                                          render_config)
 from stages.common.errors import RegraftError
 from stages.common.tensor_io import SafetensorsFiles, TensorSpec, spec_of, write_safetensors
 from stages.common.vocab import VocabMap
@@ -130,8 +131,9 @@ class DrafterCheckpoint:
 
 
 def write_drafter(out_dir: str | Path, config: DrafterConfig, tensors: dict[str, torch.Tensor | TensorSpec],
-                  layout: Layout = "sglang") -> Path:
-    """Write config.json and model.safetensors in `layout`; tensors are keyed by sglang names."""
+                  layout: Layout = "sglang", aux_convention: str | None = None) -> Path:
+    """Write config.json and model.safetensors in `layout`; tensors are keyed by sglang names. The aux ids are
+    written in the convention the layout's engines read (`LAYOUT_CONVENTION`) unless `aux_convention` says."""
     if layout not in LAYOUTS:
         raise RegraftError(None, f"unknown layout {layout!r}", f"choose one of {LAYOUTS}")
     out = Path(out_dir)
@@ -141,7 +143,7 @@ def write_drafter(out_dir: str | Path, config: DrafterConfig, tensors: dict[str,
         spec = value if isinstance(value, TensorSpec) else spec_of(name, value)
         specs.append(replace(spec, name=file_name(name, layout)))
     write_safetensors(out / "model.safetensors", specs, metadata={"format": "pt"})
-    raw = render_config(config, layout)
+    raw = render_config(config, layout, aux_convention)
     tmp = out / ".config.json.tmp"
     tmp.write_text(json.dumps(raw, indent=2) + "\n")
     tmp.replace(out / "config.json")
@@ -149,17 +151,18 @@ def write_drafter(out_dir: str | Path, config: DrafterConfig, tensors: dict[str,
 
 
 def convert_checkpoint(source: str | Path, out_dir: str | Path, layout: Layout,
-                       aux_convention: str | None = None) -> Path:
-    """Rewrite a checkpoint in another layout (and optionally aux convention), streaming its tensors."""
+                       aux_convention: str | None = None, verifier: str | None = None) -> Path:
+    """Rewrite a checkpoint in another layout, streaming its tensors; its aux ids in the convention the layout's
+    engines read unless `aux_convention` says otherwise; `verifier` names the target it was trained for."""
     from stages.common.artifacts import staged_output
 
     checkpoint = DrafterCheckpoint.open(source)
-    config = checkpoint.config
-    if aux_convention and aux_convention != config.aux_convention:
-        config = config.with_aux_convention(aux_convention)
+    config = replace(checkpoint.config, verifier=verifier) if verifier else checkpoint.config
+    convention = aux_convention or LAYOUT_CONVENTION[layout]
     with staged_output(out_dir, "convert", {"source": str(source), "layout": layout,
-                                            "aux_convention": config.aux_convention}) as staged:
-        write_drafter(staged.path, config, {name: checkpoint.spec(name) for name in checkpoint.names()}, layout)
+                                            "aux_convention": convention}) as staged:
+        write_drafter(staged.path, config, {name: checkpoint.spec(name) for name in checkpoint.names()}, layout,
+                      convention)
     return Path(out_dir)
 
 
@@ -168,10 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source")
     parser.add_argument("out")
     parser.add_argument("--layout", choices=LAYOUTS, required=True)
-    parser.add_argument("--aux-convention", choices=CONVENTIONS)
+    parser.add_argument("--aux-convention", choices=CONVENTIONS,
+                        help="default: the layout's engines' (sglang: output_of_layer, speculators: input_of_layer)")
+    parser.add_argument("--verifier", help="the target folder the drafter was trained for (speculators records it)")
     args = parser.parse_args(argv)
     try:
-        convert_checkpoint(args.source, args.out, args.layout, args.aux_convention)
+        convert_checkpoint(args.source, args.out, args.layout, args.aux_convention, args.verifier)
     except RegraftError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
