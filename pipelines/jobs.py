@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -39,6 +39,8 @@ class RankedStage(Protocol):
     Preempted: type[BaseException]  # raised after a signal asked it to stop and it saved a checkpoint
 
     def init_distributed(self, launched: bool, seed: int) -> None: ...
+
+    def check_ranks(self, cfg: Any, stage: str) -> None: ...  # the ranks this machine can start (RegraftError)
 
     def run_rank(self, cfg: Any, launched: bool) -> Any: ...
 
@@ -64,6 +66,50 @@ def stage_config(stage: str, config: dict[str, Any]):
     return module, OmegaConf.merge(schema, config)
 
 
+# The line a failing stage leaves in its job's log for the orchestrator to show: the stage's own one-line error.
+STAGE_ERROR = "regraft: stage failed: "
+
+
+class StageFailed(RegraftError):
+    """A stage that ended without a result: its own one-line error (`line`), where its full log is, and its node."""
+
+    def __init__(self, line: str, log: str | Path | None, node: str = ""):
+        Exception.__init__(self, line)
+        self.path, self.problem, self.fix = None if log is None else str(log), line, None
+        self.line, self.log, self.node = line, self.path, node
+
+
+def error_line(stage: str, exc: BaseException) -> str:
+    """One line for the terminal: a RegraftError's own; anything else named as the crash it is."""
+    if isinstance(exc, RegraftError):
+        return str(exc)
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return (f"the {stage} stage crashed: {type(exc).__name__}: {first} (no check of regraft's caught this input; "
+            "the traceback in the log is the place to start, and a report helps)")
+
+
+@contextlib.contextmanager
+def reporting_failure(stage: str) -> Iterator[None]:
+    """Leave the stage's error line in the job's log (stderr) on the way out, for `reported_error` to find."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        print(STAGE_ERROR + error_line(stage, exc), file=sys.stderr, flush=True)
+        raise
+
+
+def reported_error(log: str | Path | None) -> str | None:
+    """The error line a stage left in its log, the last one if several (None: it left none, e.g. it was killed)."""
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines() if log else []
+    except OSError:
+        return None
+    found = [line[len(STAGE_ERROR):].strip() for line in lines if line.startswith(STAGE_ERROR)]
+    return found[-1] if found else None
+
+
 def outcome_from_manifest(out: Path, hit: bool, seconds: float) -> StageOutcome:
     manifest = read_manifest(out) or {}
     return StageOutcome(str(out), hit, manifest.get("metrics", {}), manifest.get("headline", ""), seconds,
@@ -74,7 +120,7 @@ def run_stage(stage: str, config: dict[str, Any]) -> StageOutcome:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out = Path(config["out"])
-    with stage_lock(out):
+    with reporting_failure(stage), stage_lock(out):
         if is_complete(out):
             return outcome_from_manifest(out, hit=True, seconds=0.0)
         sweep_leftovers(out)
@@ -97,6 +143,11 @@ def run_ranks(stage: str, config: dict[str, Any]) -> StageOutcome:
     broadcast once the process group exists, so every rank takes the same branch. While rank 0 waits for a lock
     another job holds, the other ranks wait in that broadcast (torch's process-group timeout, 30 min by default).
     """
+    with reporting_failure(stage):
+        return rank_of_job(stage, config)
+
+
+def rank_of_job(stage: str, config: dict[str, Any]) -> StageOutcome:
     import submitit
     import torch
 

@@ -7,10 +7,14 @@ queue); Slurm jobs are all submitted at once and wait in Slurm's queue on their 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
+import signal
+import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,15 +22,17 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.dag import Node
-from pipelines.jobs import StageOutcome, run_stage
+from pipelines.jobs import RankedStage, resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage, stage_module
 from stages.common.errors import RegraftError
 
 
 @dataclass
 class InlineJob:
-    """A stage already run in this process: the result, or the exception it raised."""
+    """A stage already run in this process: the result, or the exception it raised (its traceback in `log`)."""
 
     job_id: str
+    stage: str
+    log: Path
     result_value: StageOutcome | None = None
     error: BaseException | None = None
 
@@ -54,6 +60,13 @@ class Launcher:
             OmegaConf.to_container(self.cfg.resources, resolve=True),
             OmegaConf.to_container(overrides, resolve=True) if overrides else {}))
 
+    def check(self, node: Node, config: dict[str, Any]) -> None:
+        """Before any work: whether this launcher can run the node as its config asks (RegraftError if not); on
+        this machine, a stage's ranks are what its spawn mode starts."""
+        module = stage_module(node.stage)
+        if isinstance(module, RankedStage):
+            module.check_ranks(config, node.stage)
+
     def prepare(self, nodes: list[Node]) -> None:
         """Called once before dispatching, with the nodes that will (probably) run."""
 
@@ -69,6 +82,9 @@ class Launcher:
     def cancel(self, job: Any) -> None:
         pass
 
+    def stop(self, jobs: list[Any], grace_s: float) -> None:
+        """After `cancel`: wait for the jobs to end (a local one would otherwise die with regraft)."""
+
     def log_of(self, job: Any) -> str:
         paths = getattr(job, "paths", None)
         return str(paths.stderr) if paths is not None else ""
@@ -78,17 +94,22 @@ class InlineLauncher(Launcher):
     in_process = True
 
     def submit(self, node: Node, config: DictConfig, after: list[Any]) -> InlineJob:
-        job = InlineJob(job_id=f"inline-{node.name}")
+        job = InlineJob(f"inline-{node.name}", node.stage, self.folder / f"inline-{node.name}.log")
         try:
             job.result_value = run_stage(node.stage, OmegaConf.to_container(config))
-        except RegraftError as exc:
+        except Exception as exc:  # Ctrl-C and exits go on up
             job.error = exc
+            job.log.parent.mkdir(parents=True, exist_ok=True)
+            job.log.write_text("".join(traceback.format_exception(exc)))
         return job
 
     def outcome(self, job: InlineJob) -> StageOutcome:
         if job.error is not None:
-            raise job.error
+            raise StageFailed(error_line(job.stage, job.error), job.log)
         return job.result_value
+
+    def log_of(self, job: InlineJob) -> str:
+        return str(job.log)
 
 
 class SubmititLauncher(Launcher):
@@ -102,25 +123,30 @@ class SubmititLauncher(Launcher):
         return executor.submit(run_stage, node.stage, OmegaConf.to_container(config))
 
     def outcome(self, job) -> StageOutcome:
+        """The job's result, or its stage's own error line (a job killed before it could leave one: how it ended)."""
         import submitit
 
         try:
             return job.result()
-        except submitit.core.utils.FailedJobError as exc:
-            raise RegraftError(job.paths.stderr, f"stage job {job.job_id} failed: {last_line(str(exc))}",
-                               "read the job's log; rerun to resume from what completed") from None
-
-    def cancel(self, job) -> None:
-        job.cancel(check=False)
+        except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as exc:
+            own = reported_error(job.paths.stderr)
+            raise StageFailed(own or f"the job ended without a result: {last_line(str(exc))}",
+                              job.paths.stderr) from None
 
 
 class LocalLauncher(SubmititLauncher):
     """submitit's local executor; with `warm: true` its jobs fork from one interpreter that imported torch and
-    the stages once (pipelines/warm.py) instead of each importing them again (~4 s a job on 2 cores)."""
+    the stages once (pipelines/warm.py) instead of each importing them again (~4 s a job on 2 cores).
+
+    Jobs are started with SIGINT ignored, so the terminal's Ctrl-C reaches regraft alone (a job's controller would
+    print a KeyboardInterrupt traceback); regraft cancels them with SIGTERM, which submitit's controller forwards to
+    the stage: a fine-tune saves a checkpoint and stops, anything else ends at once. `stop` waits for them.
+    """
 
     def __init__(self, cfg: DictConfig, folder: Path):
         super().__init__(cfg, folder)
         self.warm = None
+        self.resumable: dict[str, bool] = {}  # by job id: a stage that saves and stops on SIGTERM
 
     def prepare(self, nodes: list[Node]) -> None:
         if nodes and self.cfg.get("warm", False):
@@ -133,10 +159,51 @@ class LocalLauncher(SubmititLauncher):
         import submitit
 
         python = self.warm.python() if self.warm is not None else shlex.quote(sys.executable)
-        executor = submitit.LocalExecutor(folder=self.folder / "%j", python=python)
+        executor = submitit.LocalExecutor(folder=self.folder / node.name, python=python)  # %j: an empty "%j" folder
         resources = self.resources(node)
         executor.update_parameters(timeout_min=resources.get("timeout_min", 24 * 60))
         return executor
+
+    def submit(self, node: Node, config: DictConfig, after: list[Any]):
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the job's controller and tasks
+        try:
+            job = super().submit(node, config, after)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        self.resumable[job.job_id] = resumable(OmegaConf.to_container(config))
+        return job
+
+    def cancel(self, job) -> None:
+        """SIGTERM, forwarded by submitit's controller to the stage: a fine-tune saves a checkpoint at its next step
+        and stops; submitit's job wrapper lets other stages run on (it ignores SIGTERM), so `stop` ends them."""
+        process = getattr(job, "_process", None)  # the job's controller
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+
+    def stop(self, jobs: list[Any], grace_s: float) -> None:
+        """Give a cancelled resumable stage up to `grace_s` to save and end, any other a few seconds; then kill what
+        is left of each job (its controller and every process under it)."""
+        import psutil
+
+        started = time.monotonic()
+        for job in jobs:
+            process = getattr(job, "_process", None)
+            if process is None:
+                continue
+            patience = grace_s if self.resumable.get(job.job_id) else min(grace_s, 3.0)
+            try:
+                process.wait(timeout=max(0.0, started + patience - time.monotonic()))
+                continue
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for member in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    member.kill()
+            process.wait()
 
 
 class SlurmLauncher(SubmititLauncher):
@@ -171,20 +238,27 @@ class SlurmLauncher(SubmititLauncher):
                                    **{key: value for key, value in resources.items() if value is not None})
         return executor
 
+    def tasks(self, node: Node) -> int:
+        resources = self.resources(node)
+        return int(resources.get("tasks_per_node") or 1) * int(resources.get("nodes") or 1)
+
+    def check(self, node: Node, config: dict[str, Any]) -> None:
+        """A multi-task job is one rank per task: only for a stage with ranks, and exactly `nproc` of them."""
+        tasks = self.tasks(node)
+        if tasks > 1 and "nproc" not in config:
+            raise RegraftError(None, f"{node.name} runs as one task, launcher.per_stage gives it {tasks}",
+                               f"set launcher.per_stage.{node.name}.tasks_per_node=1")
+        if tasks > 1 and config["nproc"] != tasks:
+            raise RegraftError(None, f"{node.name} would run as {tasks} Slurm tasks (ranks) but {node.stage}.nproc="
+                               f"{config['nproc']}; the rank count sets the global batch and belongs in the cache key",
+                               f"set {node.stage}.nproc={tasks}")
+
     def submit(self, node: Node, config: DictConfig, after: list[Any]):
         from pipelines.jobs import Resumable, resumable, run_ranks
         from pipelines.slurm_jobs import dependency_of
 
-        resources = self.resources(node)
-        tasks = int(resources.get("tasks_per_node") or 1) * int(resources.get("nodes") or 1)
-        plain = OmegaConf.to_container(config)
-        if tasks > 1 and "nproc" not in plain:
-            raise RegraftError(None, f"{node.name} runs as one task, launcher.per_stage gives it {tasks}",
-                               f"set launcher.per_stage.{node.name}.tasks_per_node=1")
-        if tasks > 1 and plain["nproc"] != tasks:
-            raise RegraftError(None, f"{node.name} would run as {tasks} Slurm tasks (ranks) but {node.stage}.nproc="
-                               f"{plain['nproc']}; the rank count sets the global batch and belongs in the cache key",
-                               f"set {node.stage}.nproc={tasks}")
+        resources, tasks, plain = self.resources(node), self.tasks(node), OmegaConf.to_container(config)
+        self.check(node, plain)
         function = run_ranks if tasks > 1 else run_stage
         if resumable(plain):
             function = Resumable(function)

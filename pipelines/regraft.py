@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,11 +34,13 @@ from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
 from pipelines.cache import keys_for
-from pipelines.dag import REFERENCE, build_nodes
+from pipelines.dag import build_nodes
+from pipelines.jobs import StageFailed
 from pipelines.launchers import make_launcher
+from pipelines.preflight import check_before_any_work
 from pipelines.runner import Interrupts, NodeResult, pending, run_dag
-from pipelines.summary import headline_numbers, plot, stage_table, story_table, write_summary
-from pipelines.tracking import Tracker
+from pipelines.summary import plot, stage_table, story_caption, story_table, write_summary
+from pipelines.tracking import Tracker, hydra_invocation
 from stages.common.errors import RegraftError
 from stages.common.stage import CONF_DIR
 
@@ -48,17 +51,6 @@ class PipelineResult:
     summary: dict  # what summary.json holds
     plots: list[Path]
     mlflow_ui: str | None = None  # the command that opens the MLflow UI on this run's store
-
-
-def check_given_inputs(cfg: DictConfig) -> None:
-    """Fail before any work when a user-given input is absent (@world ones appear with the world)."""
-    for group, key in (("target", "path"), ("source", "path"), ("data", "train"), ("data", "prompts")):
-        value = cfg[group][key]
-        if REFERENCE.match(value) or value == "builtin":
-            continue
-        if not Path(value).exists():
-            raise RegraftError(value, f"{group}.{key} does not exist",
-                               f"point {group}.{key}= at it, or use the built-in example ({group}=toy)")
 
 
 def threads_per_stage(threads: int | None, max_parallel: int | None) -> int | None:
@@ -81,10 +73,6 @@ def limit_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def invocation_name(run_dir: Path) -> str:
-    return "/".join(run_dir.parts[-2:]) if run_dir.parent.name not in ("runs",) else run_dir.name
-
-
 def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console | None = None
                  ) -> PipelineResult:
     """Every stage of the DAG, from the cache or run; MLflow runs closed with the right status whatever happens.
@@ -95,14 +83,15 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     run_dir.mkdir(parents=True, exist_ok=True)
     tracker = None
     try:
-        check_given_inputs(cfg)
         nodes = build_nodes(cfg)
-        limit_threads(threads_per_stage(cfg.launcher.threads, cfg.launcher.max_parallel))
         launcher = make_launcher(cfg.launcher, run_dir / "jobs")
+        check_before_any_work(cfg, nodes, launcher)
+        limit_threads(threads_per_stage(cfg.launcher.threads, cfg.launcher.max_parallel))
         keys = keys_for(nodes)
         launcher.prepare(pending(nodes, keys, Path(cfg.paths.cache)))  # a warm interpreter imports while MLflow starts
         if cfg.tracking.enabled:
-            tracker = Tracker(cfg.tracking, invocation_name(run_dir),
+            # named by the overrides its sweep varies (`lr=1e-3 init=remap`), else its own or `defaults`
+            tracker = Tracker(cfg.tracking, hydra_invocation(overrides),
                               tags={"overrides": " ".join(overrides) or "(defaults)", "run_dir": str(run_dir)})
         results = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
                           cfg.launcher.max_parallel, keys)
@@ -115,7 +104,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     plots = plot(summary["stages"], run_dir)
     if tracker is not None:
         params = dict(override.split("=", 1) for override in overrides if "=" in override)
-        tracker.finish("FINISHED", params, headline_numbers(summary["stages"]), [run_dir / "summary.json", *plots])
+        tracker.finish("FINISHED", params, summary["numbers"], [run_dir / "summary.json", *plots], summary)
     return PipelineResult(results, summary, plots, tracker.ui_command() if tracker else None)
 
 
@@ -129,15 +118,27 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(cfg.paths.run)
     try:
         done = run_pipeline(cfg, run_dir, list(HydraConfig.get().overrides.task), console)
+    except StageFailed as exc:  # the stage's own line, then where its whole log is
+        console.print(f"[red]error:[/red] {exc.node}: {exc.line}", highlight=False, soft_wrap=True)
+        console.print(f"log: {exc.log}", highlight=False, soft_wrap=True)
+        sys.exit(1)
     except RegraftError as exc:
         console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except Exception as exc:  # not regraft's own: one line all the same, the traceback kept in the run folder
+        log = run_dir / "regraft-error.log"
+        log.write_text(traceback.format_exc())
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        console.print(f"[red]error:[/red] regraft crashed: {type(exc).__name__}: {first} (a bug: the traceback is "
+                      "in the log below; rerun to resume from the complete stages)", highlight=False, soft_wrap=True)
+        console.print(f"log: {log}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         console.print("[red]interrupted:[/red] the running stages were cancelled; the same command resumes from "
                       "the complete ones", highlight=False)
         sys.exit(130)
     console.print(stage_table(done.results))
-    console.print(story_table(done.summary["numbers"]))
+    console.print(story_table(done.summary["numbers"], caption=story_caption(done.summary)))
     if done.mlflow_ui:
         console.print(f"MLflow: {done.mlflow_ui}", highlight=False)
     console.print(f"summary: {run_dir / 'summary.json'}", highlight=False)

@@ -17,10 +17,15 @@ from rich.console import Console
 from pipelines.cache import is_complete, keys_for, output_dir
 from pipelines.dag import Node, check_graph, resolve
 from pipelines.launchers import Launcher
-from pipelines.jobs import StageOutcome, outcome_from_manifest
+from pipelines.progress import show as show_progress
+from pipelines.jobs import StageFailed, StageOutcome, outcome_from_manifest
 from pipelines.tracking import Tracker
 from stages.common.artifacts import package_versions
 from stages.common.errors import RegraftError
+
+
+# How long a cancelled local job may take to stop: a fine-tune finishes its optimizer step and saves a checkpoint.
+CANCEL_GRACE_S = 120.0
 
 
 @dataclass
@@ -141,9 +146,11 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
         try:
             outcome = launcher.outcome(item.job)
         except RegraftError as exc:
+            failed = exc if isinstance(exc, StageFailed) else StageFailed(str(exc), launcher.log_of(item.job))
+            failed.node = name
             if tracker is not None and item.run_id:
-                tracker.finish_stage(item.run_id, None, str(exc), item.job.job_id, launcher.log_of(item.job))
-            raise
+                tracker.finish_stage(item.run_id, None, failed.line, item.job.job_id, failed.log or "")
+            raise failed from None
         record(item.node, outcome, item.started, item.run_id, item.job.job_id)
 
     # an inline stage runs inside submit: Ctrl-C must reach it there
@@ -158,12 +165,15 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
                 if launcher.finished(item.job):
                     with bookkeeping():
                         collect(name, item)
+            show_progress(console, running, launcher)  # each running stage's latest log line (pipelines/progress.py)
             if running:
                 time.sleep(poll_s)
     except BaseException as exc:
         interrupted = isinstance(exc, KeyboardInterrupt)
         for item in running.values():
             launcher.cancel(item.job)
+        launcher.stop([item.job for item in running.values()], CANCEL_GRACE_S)
+        for item in running.values():
             if tracker is not None and item.run_id:
                 reason = "cancelled: regraft was interrupted" if interrupted else "cancelled: another stage failed"
                 tracker.finish_stage(item.run_id, None, reason, item.job.job_id,

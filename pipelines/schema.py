@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from stages.common.stage import register_schema
+from stages.common.stage import register_schema, setting
 from stages.compare import CompareConfig
 from stages.features import FeaturesConfig
 from stages.finetune import FinetuneConfig
@@ -34,13 +34,13 @@ class SourceBuild:
 
     target: str = "@world/target_a"
     data: str = "@world/data_a.jsonl"
-    draft_vocab_size: int = 1024
-    steps: int = 60
-    ttt_steps: int = 3
-    lr: float = 3e-3
-    micro_batch_size: int = 8
-    max_length: int = 96
-    val_fraction: float = 0.02
+    draft_vocab_size: int = setting(1024, at_least=1)
+    steps: int = setting(60, at_least=1)
+    ttt_steps: int = setting(3, at_least=1)
+    lr: float = setting(3e-3, above=0)
+    micro_batch_size: int = setting(8, at_least=1)
+    max_length: int = setting(96, at_least=4)
+    val_fraction: float = setting(0.02, at_least=0, below=1)
     seed: int = 0
 
 
@@ -65,14 +65,14 @@ class LauncherName(str, Enum):
 @dataclass
 class LauncherConfig:
     name: LauncherName = MISSING
-    poll_s: float = 0.2  # how often the orchestrator looks at running jobs
+    poll_s: float = setting(0.2, at_least=0)  # how often the orchestrator looks at running jobs
     resources: dict[str, Any] = field(default_factory=dict)  # submitit parameters for every job
     per_stage: dict[str, Any] = field(default_factory=dict)  # the same, by node name, over `resources`
-    max_parallel: Optional[int] = None  # stage jobs at once (local, inline); None: no limit
-    threads: Optional[int] = None  # torch threads per stage; None: cores // max_parallel
+    max_parallel: Optional[int] = setting(None, at_least=1)  # stage jobs at once (local, inline); None: no limit
+    threads: Optional[int] = setting(None, at_least=1)  # torch threads per stage; None: cores // max_parallel
     warm: bool = False  # local: jobs fork from one interpreter that imported torch and the stages once
     python: Optional[str] = None  # slurm: the command that runs Python in a job; None: this interpreter
-    max_num_timeout: int = 3  # slurm: requeues of a resumable stage (finetune) at its time limit
+    max_num_timeout: int = setting(3, at_least=0)  # slurm: requeues of a resumable stage (finetune) at its time limit
 
 
 @dataclass
@@ -82,7 +82,7 @@ class TrackingConfig:
     experiment: str = "regraft"
     artifact_location: str = "${paths.outputs}/mlartifacts"
     copy_checkpoints: bool = False  # big checkpoints are recorded by path and sha256, not copied into the store
-    max_artifact_mb: float = 20.0  # files larger than this are recorded, not copied
+    max_artifact_mb: float = setting(20.0, at_least=0)  # files larger than this are recorded, not copied
 
 
 @dataclass

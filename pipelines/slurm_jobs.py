@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import submitit
 
+from pipelines.jobs import StageFailed, reported_error
 from stages.common.errors import RegraftError
 
 # A job in one of these states may still produce a result.
@@ -172,6 +173,9 @@ def _failure(job: submitit.Job, info: JobInfo) -> RegraftError:
     failed = next((k for k, o in enumerate(outcomes) if o is not None and o[0] == "error"), None)
     task = job.task(failed if failed is not None else 0)
     log = task.paths.stderr
+    own = reported_error(log)  # the stage's own line (pipelines/jobs.py), when it failed rather than was stopped
+    if own and info.state in ("FAILED", "COMPLETED"):
+        return StageFailed(own, log)
     last = ""
     if failed is not None:  # the exception's last line, from submitit's own record of it
         trace_lines = [line for line in str(outcomes[failed][1]).splitlines() if line.strip()]

@@ -42,7 +42,7 @@ from pathlib import Path
 
 CLIENT = Path(__file__).with_name("warm_client.py")
 BASE_MODULES = ("torch", "transformers", "submitit.core.submission", "pipelines.jobs")
-KILL_GRACE_S = 10.0  # a child whose client is gone gets SIGTERM, then SIGKILL after this long
+KILL_GRACE_S = 10.0  # a child whose client is gone is killed; SIGKILL again if it is still there after this long
 
 
 # ---------------------------------------------------------------- the server process
@@ -93,11 +93,13 @@ class Server:
         own.close()
 
     def client_gone(self, pid: int) -> None:
-        """The client closed its end before the child ended: it was killed, so the job is stopped too."""
+        """The client closed its end before the child ended: it was killed, so the job is killed too. Not asked
+        with SIGTERM: submitit's job wrapper ignores it (only a stage's own handler, a fine-tune's, acts on it),
+        and whoever killed the client (regraft's cancel, submitit's controller) gave the job its signals first."""
         child = self.children[pid]
         self.selector.unregister(child.connection)
         if child.terminated_at is None:
-            signal_child(pid, signal.SIGTERM)
+            signal_child(pid, signal.SIGKILL)
             child.terminated_at = time.monotonic()
 
     def reap(self) -> None:

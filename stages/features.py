@@ -23,7 +23,7 @@ from stages.common.chat import load_tokenizer, tokenized_chats
 from stages.common.checkpoint import DrafterCheckpoint
 from stages.common.drafter_config import OUTPUT_OF_LAYER, aux_layer_ids_for, convert_aux_layer_ids
 from stages.common.feature_shards import shard_path, write_shard
-from stages.common.stage import StageResult, register_schema, stage_main
+from stages.common.stage import StageResult, register_schema, setting, stage_main
 from stages.common.target import TargetModel
 
 
@@ -35,9 +35,9 @@ class FeaturesConfig:
     drafter: Optional[str] = None  # take the aux layers (and convention) from this drafter's config
     aux_layer_ids: Optional[list[int]] = None  # or give them, in the output-of-layer convention
     trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
-    max_length: int = 256  # tokens per conversation, as the fine-tunes will truncate them
-    batch_size: int = 8  # conversations per target forward
-    rows_per_shard: int = 512  # conversations per safetensors shard
+    max_length: int = setting(256, at_least=4)  # tokens per conversation, as the fine-tunes will truncate them
+    batch_size: int = setting(8, at_least=1)  # conversations per target forward
+    rows_per_shard: int = setting(512, at_least=1)  # conversations per safetensors shard
 
 
 register_schema("features", FeaturesConfig)

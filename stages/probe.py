@@ -26,7 +26,9 @@ from tqdm import tqdm
 
 from stages.common.artifacts import staged_output
 from stages.common.chat import load_tokenizer, read_conversations
-from stages.common.stage import StageResult, register_schema, stage_main
+from stages.common.stage import StageResult, register_schema, setting, stage_main
+from stages.common.checkpoint import DrafterCheckpoint
+from stages.common.drafter_config import check_drafter_fits_target, target_config
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.sglang_backend import SglangConfig, accept_length, aux_convention_warning, run_sglang
@@ -55,20 +57,30 @@ class ProbeConfig:
     target: str = MISSING  # HF model folder of the target (verifier)
     drafter: str = MISSING  # drafter checkpoint folder, or a finetune output folder holding drafter/
     out: str = MISSING
-    backend: Backend = Backend.hf
+    backend: Backend = Backend.hf  # hf: local greedy speculative decoding, checked lossless | sglang: a server
     prompts: str = "builtin"  # builtin | a JSONL of {"messages": [...]} (user turns are the prompts)
-    num_prompts: int = 8  # conversations, picked by a seeded shuffle
-    max_new_tokens: int = 64
+    num_prompts: int = setting(8, at_least=1)  # conversations, picked by a seeded shuffle
+    max_new_tokens: int = setting(64, at_least=1)
     seed: int = 0
-    num_steps: int = 3  # draft tokens per verify step (chain drafting)
-    topk: int = 1  # sglang only; the hf backend drafts a chain
-    num_draft_tokens: int = 4  # sglang: tokens verified per step (num_steps + 1 for a chain)
+    num_steps: int = setting(3, at_least=1)  # draft tokens per verify step (chain drafting)
+    topk: int = setting(1, at_least=1)  # sglang only; the hf backend drafts a chain
+    num_draft_tokens: int = setting(4, at_least=2)  # sglang: tokens verified per step (num_steps + 1 for a chain)
     dtype: str = "float32"  # hf: target and drafter dtype
     trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
     sglang: SglangConfig = field(default_factory=SglangConfig)
 
 
-register_schema("probe", ProbeConfig)
+def check_probe(cfg: DictConfig, where: str) -> None:
+    prefix = f"{where}." if where else ""
+    if Backend(cfg.backend) is Backend.hf and cfg.topk != 1:
+        raise RegraftError(f"{prefix}topk={cfg.topk}", "the hf backend drafts a chain (topk 1)",
+                           f"set {prefix}topk=1, or {prefix}backend=sglang")
+    if not isinstance(getattr(torch, cfg.dtype, None), torch.dtype):
+        raise RegraftError(f"{prefix}dtype={cfg.dtype}", "is not a torch dtype",
+                           f"set {prefix}dtype= to float32, bfloat16 or float16")
+
+
+register_schema("probe", ProbeConfig, check=check_probe)
 
 
 def drafter_dir(path: str | Path) -> Path:
@@ -113,12 +125,11 @@ def first_difference(a: list[int], b: list[int]) -> int:
 def measure_hf(cfg: DictConfig, conversations: list[list[str]], tokenizer, drafter_path: Path) -> tuple[list[dict], list[int]]:
     """Every turn decoded twice, speculatively and plainly; returns per-turn rows and accepted drafts per verify."""
     dtype = getattr(torch, cfg.dtype)
-    drafter = Eagle3Drafter.from_checkpoint(drafter_path, dtype=dtype)
+    checkpoint = DrafterCheckpoint.open(drafter_path)
+    check_drafter_fits_target(checkpoint.config, target_config(cfg.target), drafter_path, cfg.target)
+    drafter = Eagle3Drafter.from_checkpoint(checkpoint, dtype=dtype)
     target = TargetModel.load(cfg.target, drafter.config.aux_layer_ids, drafter.config.aux_convention, dtype,
                               cfg.trust_remote_code)
-    if target.model.config.vocab_size != drafter.config.vocab_size:
-        raise RegraftError(drafter_path, f"drafter vocab {drafter.config.vocab_size} != target vocab "
-                           f"{target.model.config.vocab_size}", "probe a drafter made for this target's tokenizer")
     decoder, render, stops = SpeculativeDecoder(target, drafter, cfg.num_steps), chat_renderer(tokenizer), \
         stop_ids(tokenizer, Path(cfg.target))
     warm_up = tokenizer.encode(render([{"role": "user", "content": "hi"}]), add_special_tokens=False)
@@ -191,9 +202,8 @@ def write_rows(rows: list[dict], path: Path) -> None:
 
 
 def run(cfg: DictConfig) -> StageResult:
+    check_probe(cfg, "")
     backend, drafter_path = Backend(cfg.backend), drafter_dir(cfg.drafter)
-    if backend is Backend.hf and (cfg.topk != 1):
-        raise RegraftError(None, "the hf backend drafts a chain (topk 1)", "set topk=1, or use backend=sglang")
     drafter_config = json.loads((drafter_path / "config.json").read_text()) if (drafter_path / "config.json").exists() \
         else None
     if drafter_config is None:

@@ -14,6 +14,7 @@ in its shuffled data, which no rerun reproduces, so regraft's map depends on the
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -24,7 +25,7 @@ from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
 from stages.common.artifacts import staged_output
-from stages.common.stage import StageResult, register_schema, stage_main
+from stages.common.stage import StageResult, register_schema, setting, stage_main
 from stages.common.chat import batched, encode_chats, load_tokenizer, read_conversations
 from stages.common.errors import RegraftError
 from stages.common.tensor_io import spec_of, write_safetensors
@@ -36,10 +37,10 @@ class VocabMapConfig:
     tokenizer: str = MISSING  # HF tokenizer folder of the target, with a chat template
     data: str = MISSING  # chat JSONL, one {"messages": [...]} per line
     out: str = MISSING
-    draft_vocab_size: int = 32000  # the field's default (Llama-3 and Kimi drafters); the toy world uses 1024
-    vocab_size: Optional[int] = None  # target vocab; None: the tokenizer folder's config.json, else the tokenizer
-    max_length: Optional[int] = None  # truncate each conversation to this many tokens, as training will
-    batch_size: int = 256  # conversations tokenized per batch
+    draft_vocab_size: int = setting(32000, at_least=1)  # the field's default (Llama-3 and Kimi drafters); the toy world uses 1024
+    vocab_size: Optional[int] = setting(None, at_least=1)  # target vocab; None: the tokenizer folder's config.json, else the tokenizer
+    max_length: Optional[int] = setting(None, at_least=1)  # truncate each conversation to this many tokens, as training will
+    batch_size: int = setting(256, at_least=1)  # conversations tokenized per batch
     trust_remote_code: bool = False  # run the tokenizer code in its folder (Kimi's tiktoken tokenizer needs it)
 
 
@@ -109,12 +110,22 @@ def run(cfg: DictConfig) -> StageResult:
     tokenizer_dir, data = Path(cfg.tokenizer), Path(cfg.data)
     tokenizer = load_tokenizer(tokenizer_dir, cfg.trust_remote_code)
     vocab_size, vocab_size_source = resolve_vocab_size(cfg.vocab_size, tokenizer, tokenizer_dir)
+    if cfg.draft_vocab_size > vocab_size:
+        raise RegraftError(f"draft_vocab_size={cfg.draft_vocab_size}", f"exceeds the target vocab ({vocab_size} ids, "
+                           f"{vocab_size_source})", f"set draft_vocab_size= to at most {vocab_size}")
     tally = count_assistant_tokens(tokenizer, read_conversations(data), vocab_size, cfg.batch_size, cfg.max_length)
+    if tally.conversations == 0:
+        raise RegraftError(data, "is empty", 'give data= a JSONL file with one {"messages": [...]} per line')
     assistant_tokens = int(tally.counts.sum())
     if assistant_tokens == 0:
-        raise RegraftError(data, "no assistant tokens found", "the data needs assistant turns to count")
+        raise RegraftError(data, f"no assistant tokens in its {tally.conversations} conversations",
+                           "the chats need assistant turns: only their tokens are counted")
     vocab_map = build_vocab_map(tally.counts, cfg.draft_vocab_size, str(data))
     distinct = int((tally.counts > 0).sum())
+    if distinct < vocab_map.draft_vocab_size:
+        print(f"warning: {data}: only {distinct} distinct assistant tokens, so {vocab_map.draft_vocab_size - distinct} "
+              f"of the {vocab_map.draft_vocab_size} draft ids are padding that never occurs (fix: a smaller "
+              "draft_vocab_size, or more data)", file=sys.stderr, flush=True)
     metrics = {
         "draft_vocab_size": vocab_map.draft_vocab_size, "vocab_size": vocab_size,
         "conversations": tally.conversations, "tokens_total": tally.tokens_total,
@@ -130,6 +141,8 @@ def run(cfg: DictConfig) -> StageResult:
                       inputs={"tokenizer": str(tokenizer_dir.absolute()), "data": str(data.absolute())})
     headline = (f"{vocab_map.draft_vocab_size} draft ids cover {metrics['coverage']:.1%} "
                 f"of {assistant_tokens} assistant tokens")
+    if metrics["padded_ids"]:
+        headline += f"; {metrics['padded_ids']} ids padded (never seen)"
     return StageResult(Path(cfg.out), metrics, headline)
 
 

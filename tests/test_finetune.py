@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import random
 import signal
 import subprocess
 import sys
@@ -12,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import features, finetune, remap, vocab_map
-from stages.world import toy
+from stages import features, finetune, remap
 from stages.common.stage import compose_stage
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.vocab import VocabMap, load_vocab_map
-from tests.conftest import finetune_cfg, random_map
+from tests.conftest import finetune_cfg
 
 
 ROOT = Path(__file__).resolve().parents[1]

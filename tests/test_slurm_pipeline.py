@@ -225,7 +225,7 @@ def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster)
     client = MlflowClient(f"sqlite:///{outputs}/mlflow.db")
     experiment = client.get_experiment_by_name("regraft")
     [child] = client.search_runs([experiment.experiment_id], f"tags.job_id = '{job_id}'")
-    for key, steps in (("train.loss", list(range(1, total + 1))), ("val.loss", [total // 2, total])):
+    for key, steps in (("train/loss", list(range(1, total + 1))), ("val/loss", [total // 2, total])):
         history = client.get_metric_history(child.info.run_id, key)
         assert sorted(m.step for m in history) == steps, key  # each step once: none repeated, none missing
 

@@ -12,6 +12,7 @@ written by stages/common/checkpoint.py.
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -56,6 +57,7 @@ class DrafterConfig:
     aux_convention_source: str = "recorded"  # or how it was inferred
     target_num_layers: int | None = None
     norm_before_residual: bool = False
+    verifier: str | None = None  # the target folder it was trained for (speculators' verifier.name_or_path)
     extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys, kept as they were
     # Keys only one layout understands, by layout; written in that layout, stashed in the `regraft` block otherwise.
     layout_extras: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -201,14 +203,36 @@ def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig
         layer=layer, draft_vocab_size=int(raw["draft_vocab_size"]), target_hidden_size=raw.get("target_hidden_size"),
         aux_layer_ids=list(ids) if ids else None, aux_convention=convention, aux_convention_source=source,
         target_num_layers=recorded.get("target_num_layers"),
-        norm_before_residual=bool(raw.get("norm_before_residual", False)), extra=extra, layout_extras=layout_extras)
+        norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        verifier=recorded.get("verifier") or ((raw.get("speculators_config") or {}).get("verifier") or {}).get(
+            "name_or_path"), extra=extra, layout_extras=layout_extras)
     return layout, config
 
 
-def render_config(config: DrafterConfig, layout: Layout) -> dict[str, Any]:
+# The aux-layer convention each layout's engines read: SGLang adds one to explicit ids (output of layer); vLLM and
+# speculators read id j as the state after j layers (input of layer). A checkpoint is written in its layout's.
+LAYOUT_CONVENTION = {"sglang": OUTPUT_OF_LAYER, "speculators": INPUT_OF_LAYER}
+
+
+def speculators_config(config: DrafterConfig, own: dict[str, Any] | None) -> dict[str, Any]:
+    """The `speculators_config` block (proposal method, verifier), the source's own where it had one; the verifier
+    named wherever regraft knows it (speculators' own from_pretrained fails on a null one)."""
+    block = copy.deepcopy(own if own is not None else DEFAULT_SPECULATORS_CONFIG)
+    verifier = block.setdefault("verifier", {"name_or_path": None, "architectures": []})
+    if not verifier.get("name_or_path") and config.verifier:
+        verifier["name_or_path"] = config.verifier
+    return block
+
+
+def render_config(config: DrafterConfig, layout: Layout, aux_convention: str | None = None) -> dict[str, Any]:
+    """config.json in `layout`, its aux ids in `aux_convention` (default: the one that layout's engines read)."""
+    convention = aux_convention or LAYOUT_CONVENTION[layout]
+    if config.aux_convention != convention:
+        config = config.with_aux_convention(convention)
     own = dict(config.layout_extras.get(layout, {}))
     stashed = {name: keys for name, keys in config.layout_extras.items() if name != layout and keys}
-    regraft: dict[str, Any] = {"aux_convention": config.aux_convention, "target_num_layers": config.target_num_layers}
+    regraft: dict[str, Any] = {"aux_convention": config.aux_convention, "target_num_layers": config.target_num_layers,
+                               "verifier": config.verifier}
     if layout == "sglang":
         eagle = dict(own.pop("eagle_config", {}))
         if config.aux_layer_ids is not None:
@@ -228,8 +252,8 @@ def render_config(config: DrafterConfig, layout: Layout) -> dict[str, Any]:
                "norm_before_residual": config.norm_before_residual, "target_hidden_size": config.target_hidden_size,
                "eagle_aux_hidden_state_layer_ids": config.aux_layer_ids}
         if "speculators_config" not in own:  # vLLM reads the proposal method and verifier from it
-            own["speculators_config"] = DEFAULT_SPECULATORS_CONFIG
             regraft["generated"] = ["speculators_config"]
+        own["speculators_config"] = speculators_config(config, own.get("speculators_config"))
     if stashed:
         regraft["layout_extras"] = stashed
     return {**raw, **own, **config.extra, "regraft": regraft}
@@ -243,11 +267,20 @@ def aux_layer_ids_for(num_layers: int) -> list[int]:
     return [0, num_layers // 2 - 1, num_layers - 2]
 
 
+def target_config(target_dir: str | Path) -> dict[str, Any]:
+    """A target folder's config.json, its language-model part for multimodal ones (Kimi-K2.5's text_config)."""
+    config = Path(target_dir) / "config.json"
+    if not config.exists():
+        raise RegraftError(target_dir, "no config.json: not a target model folder",
+                           "point at the folder save_pretrained wrote for the target")
+    raw = json.loads(config.read_text())
+    return raw.get("text_config") or raw
+
+
 def drafter_config_for(target_dir: str | Path, draft_vocab_size: int,
                        intermediate_size: int | None = None) -> DrafterConfig:
     """The config of a fresh drafter for the target in `target_dir`: its width and heads, the field's aux layers."""
-    raw = json.loads((Path(target_dir) / "config.json").read_text())
-    target = raw.get("text_config") or raw
+    target = target_config(target_dir)
     num_layers = int(target["num_hidden_layers"])
     layer = {
         "model_type": "llama", "num_hidden_layers": 1, "hidden_act": "silu",
@@ -259,3 +292,21 @@ def drafter_config_for(target_dir: str | Path, draft_vocab_size: int,
     }
     return DrafterConfig(layer=layer, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids_for(num_layers),
                          aux_convention=OUTPUT_OF_LAYER, target_num_layers=num_layers)
+
+
+def check_drafter_fits_target(config: DrafterConfig, target: dict[str, Any], drafter_path: str | Path,
+                              target_path: str | Path, same_vocab: bool = True) -> None:
+    """The drafter reads the target's token embeddings (hidden_size wide) and its aux states (target_hidden_size,
+    three of them into fc); serving it on the target also needs the same vocab (its t2d is over the target's ids).
+    `target` is the target's config.json (its text part)."""
+    hidden = int(target["hidden_size"])
+    if config.hidden_size != hidden or config.aux_hidden_size != hidden:
+        raise RegraftError(drafter_path, f"drafter hidden size {config.hidden_size} (aux states "
+                           f"{config.aux_hidden_size}) does not match the target's {hidden} ({target_path})",
+                           "use a drafter made for a target of this width, or train one from scratch "
+                           "(finetune.init=scratch)")
+    if same_vocab and config.vocab_size != int(target["vocab_size"]):
+        raise RegraftError(drafter_path, f"drafter vocab {config.vocab_size} != target vocab "
+                           f"{target['vocab_size']} ({target_path})",
+                           "a drafter serves only a target with its tokenizer; for another vocab, remap it first "
+                           "and skip phase 0 (pipeline.probe=false)")

@@ -9,9 +9,9 @@ value) exit 2 with Hydra's message; bad input exits 1 with one RegraftError line
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, get_type_hints
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -36,9 +36,49 @@ class StageResult:
     headline: str = ""
 
 
-def register_schema(stage: str, schema: type) -> None:
-    """Make `conf/STAGE/*.yaml` typed: their defaults list pulls `/schema/STAGE@_here_`."""
+ConfigCheck = Callable[[DictConfig, str], None]  # (config, its dotted place) -> None, or RegraftError
+CHECKS: dict[type, ConfigCheck] = {}
+
+
+def register_schema(stage: str, schema: type, check: ConfigCheck | None = None) -> None:
+    """Make `conf/STAGE/*.yaml` typed: their defaults list pulls `/schema/STAGE@_here_`. `check` holds the rules
+    that tie fields together (per-field bounds are `setting`s), run by `check_config`."""
     ConfigStore.instance().store(group="schema", name=stage, node=schema)
+    if check is not None:
+        CHECKS[schema] = check
+
+
+def setting(default: Any, *, above: float | None = None, at_least: float | None = None,
+            at_most: float | None = None, below: float | None = None) -> Any:
+    """A schema field with the values it may take: `lr: float = setting(1e-4, above=0)`. Types are Hydra's to
+    check at composition; bounds are `check_config`'s, before any work starts."""
+    bounds = {"above": above, "at_least": at_least, "at_most": at_most, "below": below}
+    return field(default=default, metadata={"bounds": {k: v for k, v in bounds.items() if v is not None}})
+
+
+BOUND_WORDS = {"above": (">", lambda v, b: v > b), "at_least": (">=", lambda v, b: v >= b),
+               "at_most": ("<=", lambda v, b: v <= b), "below": ("<", lambda v, b: v < b)}
+
+
+def check_config(cfg: DictConfig, schema: type, where: str) -> None:
+    """Every bound and cross-field rule of `schema` (and its nested schemas) on `cfg`; the first broken one is a
+    RegraftError naming the setting as a user writes it (`finetune.lr=-1`) and the fix."""
+    types = get_type_hints(schema)
+    for spec in fields(schema):
+        bounds, nested = spec.metadata.get("bounds", {}), types[spec.name]
+        is_schema = isinstance(nested, type) and is_dataclass(nested)
+        if not bounds and not is_schema:
+            continue  # never resolved here: some values only resolve inside a running app (paths.run)
+        value = cfg.get(spec.name) if spec.name in cfg else None
+        key = f"{where}.{spec.name}" if where else spec.name
+        for bound, limit in bounds.items():
+            word, holds = BOUND_WORDS[bound]
+            if isinstance(value, (int, float)) and not holds(value, limit):
+                raise RegraftError(f"{key}={value}", f"must be {word} {limit:g}", f"set {key}= to a value {word} {limit:g}")
+        if is_schema and OmegaConf.is_config(value):
+            check_config(value, nested, key)
+    if schema in CHECKS:
+        CHECKS[schema](cfg, where)
 
 
 def compose_stage(stage: str, overrides: list[str], option: str = "default") -> DictConfig:
@@ -77,6 +117,7 @@ def stage_main(stage: str, run: Callable[[DictConfig], StageResult], argv: list[
         if missing:
             raise RegraftError(f"conf/{stage}/default.yaml", f"no value for {', '.join(missing)}",
                                f"pass {' '.join(k + '=...' for k in missing)}")
+        check_config(cfg, OmegaConf.get_type(cfg), "")
         result = run(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)

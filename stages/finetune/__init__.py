@@ -26,19 +26,21 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from stages.common.artifacts import read_manifest, staged_output
 from stages.common.chat import load_tokenizer, tokenized_chats
 from stages.common.checkpoint import DrafterCheckpoint
-from stages.common.drafter_config import OUTPUT_OF_LAYER, convert_aux_layer_ids, drafter_config_for
+from stages.common.drafter_config import (OUTPUT_OF_LAYER, check_drafter_fits_target, convert_aux_layer_ids,
+                                          drafter_config_for, target_config)
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.feature_shards import load_features
 from stages.common.runtime import free_port
-from stages.common.stage import StageResult, register_schema
+from stages.common.stage import StageResult, register_schema, setting
 from stages.common.target import TargetHead, TargetModel
+from stages.common.ttt import LossMask
 from stages.common.verifier import Verifier
 from stages.common.vocab import VocabMap, load_vocab_map
 from stages.finetune.guard import preflight
 from stages.finetune.loop import MetricsLog, Preempted, Progress, micro_batches, split, train
 
-__all__ = ["FinetuneConfig", "Preempted", "init_distributed", "run", "run_rank"]  # what pipelines/jobs.py calls
+__all__ = ["FinetuneConfig", "Preempted", "check_ranks", "init_distributed", "run", "run_rank"]  # what pipelines/jobs.py calls
 
 
 class Init(str, Enum):
@@ -58,19 +60,19 @@ class DeepSpeedConfig:
     """Engine settings (EAGLE-3's own ds_config: ZeRO-2, betas 0.9/0.95, clipping 0.5); conf/deepspeed/ presets
     choose the ZeRO stage for the pipeline."""
 
-    zero_stage: int = 0
+    zero_stage: int = setting(0, at_least=0, at_most=3)
     bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
-    gradient_accumulation_steps: int = 1
-    gradient_clipping: float = 0.5
-    warmup_ratio: float = 0.015  # linear warmup over this share of the steps, then cosine (SpecForge's 0.015)
+    gradient_accumulation_steps: int = setting(1, at_least=1)
+    gradient_clipping: float = setting(0.5, at_least=0)  # 0: no clipping
+    warmup_ratio: float = setting(0.015, at_least=0, at_most=1)  # linear warmup over this share of the steps, then cosine (SpecForge's 0.015)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    weight_decay: float = 0.0
+    weight_decay: float = setting(0.0, at_least=0)
 
 
 @dataclass
 class GuardConfig:
     enabled: bool = True
-    max_misaligned: float = 0.01  # share of draft positions allowed to point at another token than the map says
+    max_misaligned: float = setting(0.01, at_least=0, at_most=1)  # share of draft positions allowed to point at another token than the map says
     consent: bool = False  # train a misaligned init anyway (to reproduce the failure on purpose)
 
 
@@ -84,23 +86,38 @@ class FinetuneConfig:
     trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
     features: Optional[str] = None  # a features stage output: train offline on cached target states
     init: Init = Init.remap
-    ttt_steps: int = 7  # SpecForge's length; the Kimi-K2.5 runs used 5, speculators 3
-    lr: float = 1e-4
-    epochs: int = 1
-    max_steps: Optional[int] = None  # stop after this many optimizer steps
-    micro_batch_size: int = 4
-    max_length: int = 256
-    val_fraction: float = 0.05
-    log_every: int = 10  # train metrics every this many optimizer steps (validation: every epoch)
-    checkpoint_every: int = 100  # a resumable DeepSpeed checkpoint every this many optimizer steps
-    keep_checkpoints: int = 2  # the newest DeepSpeed checkpoints kept (weights + optimizer, ~4x the drafter); 0: all
+    ttt_steps: int = setting(7, at_least=1)  # SpecForge's length; the Kimi-K2.5 runs used 5, speculators 3
+    # TTT loss mask on the assistant mask m, for step k's prediction of token p = t+2+k at position t:
+    # drafted: m[t+1..p] all set (what inference drafts: never a turn's first token, never across turns);
+    # specforge: m[p-2] (SpecForge 0.2.0, EAGLE-3 cnets.py); speculators: m[p-1] (speculators, SpecForge #895)
+    loss_mask: LossMask = LossMask.drafted
+    lr: float = setting(1e-4, above=0)
+    epochs: int = setting(1, at_least=1)
+    max_steps: Optional[int] = setting(None, at_least=1)  # stop after this many optimizer steps
+    micro_batch_size: int = setting(4, at_least=1)
+    max_length: int = setting(256, at_least=4)
+    val_fraction: float = setting(0.05, at_least=0, below=1)
+    log_every: int = setting(10, at_least=1)  # train metrics every this many optimizer steps (validation: every epoch)
+    checkpoint_every: int = setting(100, at_least=1)  # a resumable DeepSpeed checkpoint every this many optimizer steps
+    keep_checkpoints: int = setting(2, at_least=0)  # the newest DeepSpeed checkpoints kept (weights + optimizer, ~4x the drafter); 0: all
     checkpoint_dir: Optional[str] = None  # default: <out>.checkpoints
     resume: bool = True  # continue from the latest checkpoint in checkpoint_dir
     seed: int = 0
     spawn: Spawn = Spawn.inprocess
-    nproc: int = 1  # ranks; with micro_batch_size and gradient accumulation it sets the global batch
+    nproc: int = setting(1, at_least=1)  # ranks; with micro_batch_size and gradient accumulation it sets the global batch
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+
+
+def check_ranks(cfg: DictConfig | dict, stage: str = "finetune") -> None:
+    """The rank count this machine's spawn mode can start (a job's ranks on Slurm are its tasks instead)."""
+    if Spawn(cfg["spawn"]) is Spawn.inprocess and cfg["nproc"] != 1:
+        raise RegraftError(f"{stage}.nproc={cfg['nproc']}", "spawn=inprocess runs one rank",
+                           f"set {stage}.spawn=torchrun (or deepspeed) for {cfg['nproc']} ranks")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and cfg["nproc"] > gpus:
+        raise RegraftError(f"{stage}.nproc={cfg['nproc']}", f"this machine has {gpus} GPUs, one rank each",
+                           f"set {stage}.nproc={gpus}, or run on Slurm (launcher=slurm) across nodes")
 
 
 register_schema("finetune", FinetuneConfig)
@@ -108,6 +125,13 @@ RANK_FLAG = "--rank-config"
 
 
 # ---------------------------------------------------------------- the drafter to start from
+
+
+def check_map_fits_target(cfg: DictConfig, training_map: VocabMap) -> None:
+    vocab = Verifier.open(cfg.target).vocab_size
+    if training_map.vocab_size != vocab:
+        raise RegraftError(cfg.vocab_map, f"map is over a vocab of {training_map.vocab_size} ids, the target "
+                           f"({cfg.target}) has {vocab}", "build the map with the target's tokenizer (vocab_map stage)")
 
 
 def initial_drafter(cfg: DictConfig, training_map: VocabMap) -> tuple[Eagle3Drafter, VocabMap | None]:
@@ -125,7 +149,9 @@ def initial_drafter(cfg: DictConfig, training_map: VocabMap) -> tuple[Eagle3Draf
         return drafter, None
     if not cfg.drafter:
         raise RegraftError(None, f"init={init.value} needs a drafter", "pass drafter=DIR")
-    drafter = Eagle3Drafter.from_checkpoint(cfg.drafter, dtype=torch.float32)
+    checkpoint = DrafterCheckpoint.open(cfg.drafter)
+    check_drafter_fits_target(checkpoint.config, target_config(cfg.target), cfg.drafter, cfg.target)
+    drafter = Eagle3Drafter.from_checkpoint(checkpoint, dtype=torch.float32)
     own_map = drafter.vocab_map()
     if own_map.draft_vocab_size != training_map.draft_vocab_size:
         raise RegraftError(cfg.drafter, f"draft vocab of {own_map.draft_vocab_size} ids, the training map has "
@@ -149,14 +175,32 @@ def training_rows(cfg: DictConfig, drafter: Eagle3Drafter) -> tuple[TargetModel 
 # ---------------------------------------------------------------- DeepSpeed
 
 
+def use_built_cpu_ops() -> None:
+    """On CPU, DeepSpeed JIT-builds its shared-memory all-reduce op (`deepspeed_shm_comm`) when the first process
+    group starts: 35-70 s, more under load, into a cache keyed by the interpreter's path, so every new checkout or
+    venv paid it at its first fine-tune. Here the op lives in this venv (`<venv>/torch_extensions`), built once at
+    install (`make venv` runs `build_cpu_ops`)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+
+
+def build_cpu_ops() -> None:
+    """Build DeepSpeed's CPU ops regraft uses into this venv now (install time), not at the first fine-tune."""
+    use_built_cpu_ops()
+    if not torch.cuda.is_available():
+        from deepspeed.comm.torch import build_shm_op
+
+        build_shm_op()
+
+
 def init_distributed(launched: bool, seed: int) -> None:
     """Join the process group: ranks started by a launcher read its env; a lone in-process rank sets its own
     (gloo on CPU) on a free port, whatever a parent process left in the environment."""
     if not launched and not torch.distributed.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    use_built_cpu_ops()
     import deepspeed
 
     if not torch.distributed.is_initialized():
@@ -194,12 +238,9 @@ def launch_ranks(cfg: DictConfig) -> StageResult:
 
 
 def run(cfg: DictConfig) -> StageResult:
-    spawn = Spawn(cfg.spawn)
-    if spawn is not Spawn.inprocess:
+    check_ranks(cfg)
+    if Spawn(cfg.spawn) is not Spawn.inprocess:
         return launch_ranks(cfg)
-    if cfg.nproc != 1:
-        raise RegraftError(None, "spawn=inprocess runs one rank",
-                           "use finetune.spawn=torchrun or spawn=deepspeed for nproc > 1")
     return run_rank(cfg, launched=False)
 
 
@@ -208,6 +249,7 @@ def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
     init_distributed(launched, cfg.seed)
     rank = int(os.environ["RANK"])
     training_map = load_vocab_map(cfg.vocab_map)
+    check_map_fits_target(cfg, training_map)
     drafter, own_map = initial_drafter(cfg, training_map)
     target, rows = training_rows(cfg, drafter)
     train_data, val_data = split(rows, cfg.val_fraction, cfg.seed)
@@ -226,7 +268,8 @@ def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
                 f"sim_accept_len {best_val.get('sim_accept_len', float('nan')):.2f}")
     if rank == 0:
         with torch.device("meta"):
-            best = Eagle3Drafter(drafter.config)  # a plain module: the engine's may hold ZeRO-3 partitions
+            # a plain module (the engine's may hold ZeRO-3 partitions) that names the target it was trained for
+            best = Eagle3Drafter(replace(drafter.config, verifier=str(Path(cfg.target).absolute())))
         best.load_state_dict(best_state, assign=True)
         with staged_output(cfg.out, "finetune", cfg) as staged:
             best.save(staged.path / "drafter", layout="sglang")

@@ -28,7 +28,7 @@ from stages.common.artifacts import staged_output
 from stages.common.chat import load_tokenizer
 from stages.common.errors import RegraftError
 from stages.common.runtime import torch_threads
-from stages.common.stage import StageResult, register_schema
+from stages.common.stage import StageResult, register_schema, setting
 from stages.world.corpus import Docstring, as_conversation, file_docstrings, stdlib_source_files, write_jsonl
 from stages.world.toy import assistant_loss, fit_causal_lm, generate_answers, pack_chats, tiny_llama, train_tokenizer
 
@@ -37,28 +37,28 @@ from stages.world.toy import assistant_loss, fit_causal_lm, generate_answers, pa
 class WorldConfig:
     out: str = MISSING
     seed: int = 0  # every shuffle, init and batch order; the same seed builds the same world
-    max_docs: int = 6000  # stdlib docstrings (about 5,500 distinct ones, packages included), split a-m (A) / n-z (B)
-    eval_docs: int = 64  # held-out chats per domain for the targets' eval losses in the manifest
-    tokenizer_vocab_size: int = 4096  # byte-level BPE ids (the target vocab)
-    hidden_size: int = 128  # target width; a drafter copies width and heads
-    num_layers: int = 4  # target depth (aux layers 0, 1, 2)
-    num_heads: int = 4
-    seq_len: int = 256  # target training rows: whole chats packed into this many tokens
-    batch_size: int = 4  # rows per step: at equal compute, 4 x 256 beat 8 and 16 (eval loss 5.08 / 5.21 / 5.51)
-    lr: float = 3e-3  # AdamW peak lr for both targets (warmup, cosine to lr/10)
-    steps_a: int = 200  # target A's training steps on domain A (about 0.8 epochs)
-    steps_b: int = 100  # target B = target A trained this many more steps on domain B
-    regen_prompts: int = 512  # domain-B prompts whose answers target B regenerates into data_b.jsonl
+    max_docs: int = setting(6000, at_least=1)  # stdlib docstrings (about 5,500 distinct ones, packages included), split a-m (A) / n-z (B)
+    eval_docs: int = setting(64, at_least=1)  # held-out chats per domain for the targets' eval losses in the manifest
+    tokenizer_vocab_size: int = setting(4096, at_least=256)  # byte-level BPE ids (the target vocab)
+    hidden_size: int = setting(128, at_least=8)  # target width; a drafter copies width and heads
+    num_layers: int = setting(4, at_least=2)  # target depth (aux layers 0, 1, 2)
+    num_heads: int = setting(4, at_least=1)
+    seq_len: int = setting(256, at_least=8)  # target training rows: whole chats packed into this many tokens
+    batch_size: int = setting(4, at_least=1)  # rows per step: at equal compute, 4 x 256 beat 8 and 16 (eval loss 5.08 / 5.21 / 5.51)
+    lr: float = setting(3e-3, above=0)  # AdamW peak lr for both targets (warmup, cosine to lr/10)
+    steps_a: int = setting(200, at_least=1)  # target A's training steps on domain A (about 0.8 epochs)
+    steps_b: int = setting(100, at_least=1)  # target B = target A trained this many more steps on domain B
+    regen_prompts: int = setting(512, at_least=1)  # domain-B prompts whose answers target B regenerates into data_b.jsonl
     # sampled, as SpecForge documents its regeneration; 0: greedy, which on a target this small loops on ~30
     # distinct ids (a degenerate draft vocab for B)
-    regen_temperature: float = 0.8
-    max_new_tokens: int = 64  # longest regenerated answer; longer ones are cut (and kept, as in EAGLE-3 data)
-    gen_batch_size: int = 64  # prompts per batched generation (left padding)
-    probe_prompts: int = 16  # held-out domain-B prompts in prompts_b.jsonl for the probe
-    probe_multi_turn: int = 4  # how many of them carry a second user turn
+    regen_temperature: float = setting(0.8, at_least=0)
+    max_new_tokens: int = setting(64, at_least=1)  # longest regenerated answer; longer ones are cut (and kept, as in EAGLE-3 data)
+    gen_batch_size: int = setting(64, at_least=1)  # prompts per batched generation (left padding)
+    probe_prompts: int = setting(16, at_least=1)  # held-out domain-B prompts in prompts_b.jsonl for the probe
+    probe_multi_turn: int = setting(4, at_least=0)  # how many of them carry a second user turn
     # torch CPU threads while building; 0: torch's default (all cores). On 2 shared cores 2 threads ran 2.5x
     # slower than 1 when other jobs were busy, 1.6x faster when idle
-    threads: int = 1
+    threads: int = setting(1, at_least=0)
 
 
 register_schema("world", WorldConfig)

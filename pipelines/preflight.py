@@ -1,0 +1,143 @@
+"""Everything regraft can check before any stage runs, in seconds: a bad value or input fails here with one line
+naming it and the fix, not after an hour of upstream stages with a traceback.
+
+- every setting's bounds and cross-field rules (the schemas' `setting`s and checks, stages/common/stage.py);
+- the outputs folder can be written, the MLflow tracking server answers;
+- every input given as a path exists; chat files are not empty and start with a chat line;
+- a given source drafter is a readable checkpoint (its config and tensor headers) that fits a given target (hidden
+  size, vocab size where the probe needs it); draft vocab sizes fit the target vocab;
+- the launcher can start what the stages ask for (Slurm tasks = finetune.nproc).
+What needs a stage's output (a map built from data, the world's models) is checked by the stage that reads it.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from pipelines.dag import REFERENCE, Node
+from pipelines.launchers import Launcher
+from pipelines.schema import RegraftConfig
+from stages.common.chat import read_conversations
+from stages.common.checkpoint import DrafterCheckpoint
+from stages.common.drafter_config import check_drafter_fits_target, target_config
+from stages.common.errors import RegraftError
+from stages.common.stage import check_config
+
+GIVEN_INPUTS = (("target", "path"), ("source", "path"), ("data", "train"), ("data", "prompts"))
+
+
+def given(value: str | None) -> bool:
+    """A path the user gave (not an @reference to a stage output, not `builtin`)."""
+    return bool(value) and not REFERENCE.match(value) and value != "builtin"
+
+
+def check_outputs_writable(cfg: DictConfig) -> None:
+    outputs = Path(cfg.paths.outputs)
+    try:
+        outputs.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=outputs, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise RegraftError(outputs, f"cannot be written ({exc.strerror or exc})",
+                           "point paths.outputs= at a folder you can write") from None
+
+
+def check_tracking_reachable(cfg: DictConfig, timeout_s: float = 5.0) -> None:
+    """An http(s) tracking URI must answer MLflow's /health now, not after minutes of retries."""
+    uri = str(cfg.tracking.uri)
+    if not cfg.tracking.enabled or not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as answer:
+            if answer.status == 200:
+                return
+            problem = f"answered HTTP {answer.status} on /health"
+    except urllib.error.HTTPError as exc:
+        problem = f"answered HTTP {exc.code} on /health"
+    except (urllib.error.URLError, OSError) as exc:
+        problem = f"does not answer ({getattr(exc, 'reason', exc)})"
+    raise RegraftError(f"tracking.uri={uri}", f"no MLflow server: it {problem}",
+                       "start `mlflow server` there, fix tracking.uri, or run with tracking.enabled=false")
+
+
+def check_given_inputs(cfg: DictConfig) -> None:
+    for group, key in GIVEN_INPUTS:
+        value = cfg[group][key]
+        if given(value) and not Path(value).exists():
+            raise RegraftError(value, f"{group}.{key} does not exist",
+                               f"point {group}.{key}= at it, or use the built-in example ({group}=toy)")
+    for group, key in (("data", "train"), ("data", "prompts")):
+        value = cfg[group][key]
+        if given(value):
+            check_chat_file(Path(value), f"{group}.{key}")
+
+
+def check_chat_file(path: Path, key: str) -> None:
+    """Not empty, and the first chat line reads (a bad later line is found by the stage that reads it)."""
+    if path.is_dir():
+        raise RegraftError(path, f"{key} is a folder", f"point {key}= at a JSONL file of chats")
+    if not any(line.strip() for line in path.open(errors="replace")):
+        raise RegraftError(path, "is empty", f"point {key}= at a JSONL file with one {{\"messages\": [...]}} per line")
+    next(read_conversations(path))
+
+
+def target_facts(cfg: DictConfig) -> dict | None:
+    """config.json of a given target (its text part for multimodal ones), or None when a stage makes it."""
+    return target_config(cfg.target.path) if given(cfg.target.path) else None
+
+
+def target_vocab_size(cfg: DictConfig, facts: dict | None) -> tuple[int, str] | None:
+    if facts is not None:
+        return int(facts["vocab_size"]), f"{cfg.target.path}/config.json"
+    if str(cfg.target.path).startswith("@world/"):
+        return int(cfg.world.tokenizer_vocab_size), "world.tokenizer_vocab_size"
+    return None
+
+
+def check_models(cfg: DictConfig) -> None:
+    facts = target_facts(cfg)
+    vocab = target_vocab_size(cfg, facts)
+    if vocab is not None and cfg.vocab_map.draft_vocab_size > vocab[0]:
+        raise RegraftError(f"vocab_map.draft_vocab_size={cfg.vocab_map.draft_vocab_size}",
+                           f"exceeds the target vocab ({vocab[0]} ids, {vocab[1]})",
+                           f"set vocab_map.draft_vocab_size= to at most {vocab[0]}")
+    if cfg.source.build is not None and cfg.source.build.draft_vocab_size > int(cfg.world.tokenizer_vocab_size):
+        raise RegraftError(f"source.build.draft_vocab_size={cfg.source.build.draft_vocab_size}",
+                           f"exceeds the built-in world's vocab ({cfg.world.tokenizer_vocab_size} ids)",
+                           f"set it to at most {cfg.world.tokenizer_vocab_size}")
+    if given(cfg.source.path):
+        drafter = DrafterCheckpoint.open(cfg.source.path)  # config, tensor names, shapes and dtypes
+        if facts is not None:
+            check_drafter_fits_target(drafter.config, facts, cfg.source.path, cfg.target.path,
+                                      same_vocab=bool(cfg.pipeline.probe))
+
+
+class WritableOutputs(Callback):
+    """Hydra makes the run folder under paths.outputs before regraft's own code runs: check it can first."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_outputs_writable(config)
+        except RegraftError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+    on_multirun_start = on_run_start
+
+
+def check_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launcher) -> None:
+    """Every check above, cheapest first; raises the first RegraftError."""
+    check_config(cfg, RegraftConfig, "")
+    check_outputs_writable(cfg)
+    check_tracking_reachable(cfg)
+    check_given_inputs(cfg)
+    check_models(cfg)
+    for node in nodes:
+        launcher.check(node, OmegaConf.to_container(node.config, resolve=True, enum_to_str=True))

@@ -1,0 +1,167 @@
+"""Bad input through `regraft` as a user runs it: the exit code, a last line that names the problem and the fix,
+nothing marked complete for the failing stage, and MLflow left with the right status.
+
+Most cases are refused before any stage runs (pipelines/preflight.py), within seconds; the stage-time ones end with
+the failing stage's own line and where its log is, whatever the launcher. The reliability table in README ("When
+something goes wrong") lists the same cases.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from stages.common.drafter_config import drafter_config_for
+from stages.common.eagle3 import Eagle3Drafter
+from stages.world import toy
+from tests.conftest import random_map, write_chats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def inputs(target_dir, tokenizer_dir, chats, vocab_size, tmp_path_factory) -> dict[str, Path]:
+    """A real target, source drafter and chats, plus the broken variants the cases hand regraft."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    drafter = Eagle3Drafter.initialised(drafter_config_for(target_dir, 64), random_map(vocab_size, 64, 0)).save(
+        root / "drafter")
+    wide = toy.tiny_llama(tokenizer_dir, root / "wide_target", hidden_size=64, num_layers=4, num_heads=4)
+    wide_drafter = Eagle3Drafter.initialised(drafter_config_for(wide, 64), random_map(vocab_size, 64, 0)).save(
+        root / "wide_drafter")
+    corrupt = root / "corrupt_drafter"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text((drafter / "config.json").read_text())
+    (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    no_map = root / "no_map_drafter"
+    no_map.mkdir()
+    (no_map / "config.json").write_text((drafter / "config.json").read_text())
+    tensors = load_file(drafter / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}, no_map / "model.safetensors")
+    (root / "empty.jsonl").write_text("\n")
+    (root / "not_chats.jsonl").write_text('{"text": "no messages key"}\n')
+    write_chats(root / "users_only.jsonl", [[("user", "alpha bravo")], [("user", "charlie")]] * 8)
+    (root / "not_a_drafter").mkdir()
+    return {"target": target_dir, "drafter": drafter, "wide_drafter": wide_drafter, "corrupt": corrupt,
+            "no_map": no_map, "chats": chats, "root": root}
+
+
+def regraft(outputs: Path, inputs: dict[str, Path], *overrides: str, **replace: Path) -> subprocess.CompletedProcess:
+    given = {"target.path": inputs["target"], "source.path": inputs["drafter"], "data.train": inputs["chats"],
+             **{key.replace("__", "."): value for key, value in replace.items()}}
+    command = [sys.executable, "-m", "pipelines.regraft", f"paths.outputs={outputs}", "source.build=null",
+               "data.prompts=builtin", "vocab_map.draft_vocab_size=64", "probe.num_prompts=1",
+               "probe.max_new_tokens=8", "finetune.max_steps=2", "finetune.micro_batch_size=4",
+               "finetune.max_length=48", "finetune.ttt_steps=2", "features.max_length=48",
+               *(f"{key}={value}" for key, value in given.items()), *overrides]
+    return subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)  # one stream, in the order a terminal shows it
+
+
+def output_lines(done: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in done.stdout.splitlines() if line.strip()]
+
+
+def complete_stages(outputs: Path) -> set[str]:
+    return {path.parent.parent.name for path in (outputs / "cache").glob("*/*/manifest.json")}
+
+
+def mlflow_runs(outputs: Path) -> list:
+    if not (outputs / "mlflow.db").exists():
+        return []
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{outputs}/mlflow.db")
+    experiment = client.get_experiment_by_name("regraft")
+    return client.search_runs([experiment.experiment_id]) if experiment else []
+
+
+# (case, overrides, replaced inputs, what the last line must say): all refused before any stage runs
+BEFORE_ANY_WORK = [
+    ("negative lr", ["finetune.lr=-1e-3"], {}, "finetune.lr=-0.001: must be > 0 (fix: set finetune.lr="),
+    ("zero lr", ["finetune.lr=0"], {}, "finetune.lr=0.0: must be > 0"),
+    ("zero max_steps", ["finetune.max_steps=0"], {}, "finetune.max_steps=0: must be >= 1"),
+    ("zero stage 5", ["finetune.deepspeed.zero_stage=5"], {}, "finetune.deepspeed.zero_stage=5: must be <= 3"),
+    ("ranks the spawn mode cannot start", ["finetune.nproc=2"], {},
+     "finetune.nproc=2: spawn=inprocess runs one rank (fix: set finetune.spawn=torchrun"),
+    ("Slurm tasks that differ from nproc", ["launcher=slurm", "launcher.per_stage.finetune.tasks_per_node=2"], {},
+     "finetune would run as 2 Slurm tasks (ranks) but finetune.nproc=1"),
+    ("a draft vocab larger than the target's", ["vocab_map.draft_vocab_size=100000"], {},
+     "vocab_map.draft_vocab_size=100000: exceeds the target vocab"),
+    ("topk on the chain-drafting backend", ["probe.topk=2"], {}, "probe.topk=2: the hf backend drafts a chain"),
+    ("an empty chat file", [], {"data__train": "empty.jsonl"}, "empty.jsonl: is empty (fix: point data.train="),
+    ("a missing chat file", [], {"data__train": "nowhere.jsonl"}, "nowhere.jsonl: data.train does not exist"),
+    ("a file that is not chats", [], {"data__train": "not_chats.jsonl"}, "not_chats.jsonl:1: not a chat line"),
+    ("a folder that is not a drafter", [], {"source__path": "not_a_drafter"},
+     "not_a_drafter: no config.json: not a drafter checkpoint folder"),
+    ("a drafter as wide as another target", [], {"source__path": "wide_drafter"},
+     "drafter hidden size 64 (aux states 64) does not match the target's 32"),
+    ("a drafter whose weights are not safetensors", [], {"source__path": "corrupt"}, "corrupt_drafter/model.safetensors"),
+    ("a drafter without its map", [], {"source__path": "no_map"}, "missing tensors ['d2t', 't2d']"),
+    ("an unreachable tracking server", ["tracking.uri=http://127.0.0.1:9"], {},
+     "tracking.uri=http://127.0.0.1:9: no MLflow server: it does not answer"),
+    ("an outputs folder that cannot be written", ["paths.outputs=/dev/null/outputs"], {},
+     "/dev/null/outputs: cannot be written"),
+]
+
+
+@pytest.mark.parametrize("case, overrides, replaced, says", BEFORE_ANY_WORK, ids=[c[0] for c in BEFORE_ANY_WORK])
+def test_refused_before_any_work(inputs, tmp_path, case, overrides, replaced, says):
+    paths = {key: inputs.get(name, inputs["root"] / name) for key, name in replaced.items()}
+    done = regraft(tmp_path, inputs, *overrides, **paths)
+    lines = output_lines(done)
+    assert done.returncode == 1, lines[-5:]
+    assert says in lines[-1] and lines[-1].startswith("error: ") and "(fix: " in lines[-1], lines[-3:]
+    assert "Traceback" not in done.stdout
+    assert not complete_stages(tmp_path) and not mlflow_runs(tmp_path)  # no stage ran, no run was opened
+
+
+def test_a_typo_in_a_setting_fails_at_composition(inputs, tmp_path):
+    done = regraft(tmp_path, inputs, "finetune.lrr=1e-4")
+    assert done.returncode == 1 and "finetune.lrr" in done.stdout and not complete_stages(tmp_path)
+
+
+def test_a_failing_stage_ends_the_run_with_its_own_line_and_its_log(inputs, tmp_path):
+    """Chats without assistant turns: vocab_map fails in its job while its sibling stages run and are cancelled."""
+    done = regraft(tmp_path, inputs, data__train=inputs["root"] / "users_only.jsonl")
+    lines = output_lines(done)
+    assert done.returncode == 1, lines[-5:]
+    assert lines[-2].startswith("error: vocab_map: ") and "users_only.jsonl: no assistant tokens in its 16 " \
+        "conversations (fix: the chats need assistant turns" in lines[-2], lines[-3:]
+    log = Path(lines[-1].removeprefix("log: "))
+    assert lines[-1].startswith("log: ") and log.exists() and "no assistant tokens" in log.read_text()
+    assert "Traceback" not in done.stdout  # neither the stage's nor a cancelled sibling's
+    assert "vocab_map" not in complete_stages(tmp_path)
+    runs = {run.data.tags.get("node", "pipeline"): run.info.status for run in mlflow_runs(tmp_path)}
+    assert runs["pipeline"] == "FAILED" and runs["vocab_map"] == "FAILED"
+    assert set(runs.values()) <= {"FAILED", "FINISHED"}  # cancelled siblings FAILED, none left RUNNING
+
+
+def test_a_crash_that_is_no_input_regraft_checks_ends_as_one_line_inline(inputs, tmp_path, monkeypatch):
+    """A library exception inside a stage, launcher=inline (the stage runs in this process): one line naming the
+    stage and the crash, the traceback in the log, the stage and the parent FAILED in MLflow."""
+    from hydra import compose, initialize_config_dir
+
+    import stages.compare
+    from pipelines.jobs import StageFailed
+    from pipelines.regraft import run_pipeline
+    from stages.common.stage import CONF_DIR
+
+    def crash(cfg):
+        raise ValueError("mat1 and mat2 shapes cannot be multiplied (4x96 and 64x32)")
+
+    monkeypatch.setattr(stages.compare, "run", crash)
+    overrides = [f"paths.outputs={tmp_path}", "launcher=inline", "source.build=null", f"target.path={inputs['target']}",
+                 f"source.path={inputs['drafter']}", f"data.train={inputs['chats']}", "data.prompts=builtin",
+                 "vocab_map.draft_vocab_size=64", "pipeline.probe=false", "pipeline.offline=false"]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    with pytest.raises(StageFailed) as failed:
+        run_pipeline(cfg, tmp_path / "run", overrides)
+    assert failed.value.node == "compare"
+    assert failed.value.line.startswith("the compare stage crashed: ValueError: mat1 and mat2 shapes cannot be")
+    assert "Traceback" in Path(failed.value.log).read_text()
+    runs = {run.data.tags.get("node", "pipeline"): run.info.status for run in mlflow_runs(tmp_path)}
+    assert runs == {"pipeline": "FAILED", "vocab_map": "FINISHED", "compare": "FAILED"}
