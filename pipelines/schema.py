@@ -16,6 +16,7 @@ from stages.compare import CompareConfig
 from stages.features import FeaturesConfig
 from stages.finetune import FinetuneConfig
 from stages.probe import ProbeConfig
+from stages.regenerate import RegenerateConfig
 from stages.remap import RemapConfig
 from stages.vocab_map import VocabMapConfig
 from stages.world import WorldConfig
@@ -52,7 +53,8 @@ class SourceConfig:
 
 @dataclass
 class DataConfig:
-    train: str = MISSING  # chat JSONL for vocab_map, features and finetune
+    train: str = MISSING  # chat JSONL for vocab_map, features and finetune (pipeline.regenerate: the prompts the
+    # new target answers first)
     prompts: str = "builtin"  # chat JSONL whose user turns the probe asks (phase 0 and 1), or builtin
 
 
@@ -87,6 +89,7 @@ class TrackingConfig:
 
 @dataclass
 class PipelineSwitches:
+    regenerate: bool = False  # the new target answers data.train first; vocab_map, features and finetune read that
     probe: bool = True  # phase 0: the source drafter on the new target, as it is
     offline: bool = True  # features once, then fine-tunes read them (false: the target runs in every step)
     baseline: bool = True  # a from-scratch fine-tune + evaluate beside the remapped one
@@ -108,6 +111,7 @@ class RegraftConfig:
     target: TargetConfig = MISSING
     source: SourceConfig = MISSING
     data: DataConfig = MISSING
+    regenerate: RegenerateConfig = MISSING
     probe: ProbeConfig = MISSING
     vocab_map: VocabMapConfig = MISSING
     compare: CompareConfig = MISSING

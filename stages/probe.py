@@ -4,12 +4,25 @@ settings: `probe` (phase 0, the source drafter as it is), `evaluate` (phase 1, t
 
 In: `target` (an HF model folder), `drafter` (a checkpoint in either layout, or a finetune output holding
 `drafter/`), `prompts` (`builtin` or a JSONL of chats whose user turns are asked one after another).
-Backends: `hf` runs greedy speculative decoding here and checks every answer against plain greedy decoding
-(a mismatch stops the stage with the conversation, turn and token); `sglang` starts (or uses) an SGLang server and reads
-`completion_tokens / spec_verify_ct` from its `meta_info`.
-Out: `per_prompt.csv`, `report.json`, `acceptance.png` (hf), `server.log` (sglang) and `manifest.json`.
+Backends:
+- `hf` runs greedy speculative decoding here and checks every answer against plain greedy decoding (a mismatch
+  stops the stage with the conversation, turn and token).
+- `vllm` serves the target with the drafter on vLLM (offline engine in the engine venv, `make venv-vllm`), the
+  drafter rewritten as vLLM reads it (`served_drafter/`: speculators layout, input-of-layer aux ids), turn by turn,
+  greedy; then the same prompts through vLLM without speculation and through the hf target, and every answer must
+  equal both (lossless). Reports vLLM's own `1 + accepted / drafts` beside regraft's emitted / target forwards,
+  and per-position acceptance from vLLM's `num_accepted_tokens_per_pos`.
+- `sglang` starts (or uses) an SGLang server and reads `completion_tokens / spec_verify_ct` from its `meta_info`.
+Out: `per_prompt.csv`, `report.json`, `acceptance.png` (hf, vllm), `engine.log` (vllm),
+`server.log` (sglang) and `manifest.json`.
 
-    python -m stages.probe target=DIR drafter=DIR out=DIR [backend=sglang] [num_steps=3] [prompts=chats.jsonl]
+Two accept lengths (one set of prompts, a drafter that never hits gives 1.0 in both):
+- `accept_len`: emitted tokens / target forwards, the prefill counted (regraft's, all backends; sglang: its
+  `completion_tokens / spec_verify_ct`).
+- `accept_len_vllm` (vllm only): `1 + accepted / drafts`, vLLM's, which leaves the prefill out (higher on short
+  answers).
+
+    python -m stages.probe target=DIR drafter=DIR out=DIR [backend=vllm|sglang] [num_steps=3] [prompts=chats.jsonl]
 """
 from __future__ import annotations
 
@@ -19,6 +32,7 @@ import random
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from omegaconf import MISSING, DictConfig
@@ -26,6 +40,7 @@ from tqdm import tqdm
 
 from stages.common.artifacts import staged_output
 from stages.common.chat import load_tokenizer, read_conversations
+from stages.common.chat_prompts import prompt_ids, stop_ids
 from stages.common.stage import StageResult, register_schema, setting, stage_main
 from stages.common.checkpoint import DrafterCheckpoint
 from stages.common.drafter_config import check_drafter_fits_target, target_config
@@ -34,6 +49,7 @@ from stages.common.errors import RegraftError
 from stages.common.sglang_backend import SglangConfig, accept_length, aux_convention_warning, run_sglang
 from stages.common.spec_decode import SpeculativeDecoder, greedy_generate
 from stages.common.target import TargetModel
+from stages.common.vllm_engine import VllmConfig, VllmEngine, served_drafter
 
 BUILTIN_PROMPTS = [
     ["What does `os.path.join` do?"],
@@ -49,6 +65,7 @@ BUILTIN_PROMPTS = [
 
 class Backend(str, Enum):
     hf = "hf"  # local transformers target, greedy speculative decoding checked against plain greedy
+    vllm = "vllm"  # vLLM's offline engine in its own venv, checked lossless against vLLM plain greedy and hf
     sglang = "sglang"  # a real SGLang server (started here, or `sglang.server_url`)
 
 
@@ -67,13 +84,16 @@ class ProbeConfig:
     num_draft_tokens: int = setting(4, at_least=2)  # sglang: tokens verified per step (num_steps + 1 for a chain)
     dtype: str = "float32"  # hf: target and drafter dtype
     trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
+    check_hf: bool = True  # vllm: also hold every answer against the hf target's greedy ids (off for targets HF
+    # cannot load, e.g. Kimi-K2.5)
     sglang: SglangConfig = field(default_factory=SglangConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
 def check_probe(cfg: DictConfig, where: str) -> None:
     prefix = f"{where}." if where else ""
-    if Backend(cfg.backend) is Backend.hf and cfg.topk != 1:
-        raise RegraftError(f"{prefix}topk={cfg.topk}", "the hf backend drafts a chain (topk 1)",
+    if Backend(cfg.backend) is not Backend.sglang and cfg.topk != 1:
+        raise RegraftError(f"{prefix}topk={cfg.topk}", f"the {cfg.backend} backend drafts a chain (topk 1)",
                            f"set {prefix}topk=1, or {prefix}backend=sglang")
     if not isinstance(getattr(torch, cfg.dtype, None), torch.dtype):
         raise RegraftError(f"{prefix}dtype={cfg.dtype}", "is not a torch dtype",
@@ -110,12 +130,18 @@ def chat_renderer(tokenizer):
     return render
 
 
-def stop_ids(tokenizer, target_dir: Path) -> set[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    config = json.loads((target_dir / "config.json").read_text())
-    eos = config.get("eos_token_id")
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return ids
+WARM_UP = [{"role": "user", "content": "hi"}]
+
+
+def asked_turns(conversations: list[list[str]], tokenizer, desc: str) -> Iterator[tuple[int, int, list[int], list]]:
+    """(conversation, turn, prompt ids, messages) for every user turn in order, on the conversation so far; the
+    caller appends its answer to `messages` before the next turn is rendered."""
+    turns = [(c, t) for c, conversation in enumerate(conversations) for t in range(len(conversation))]
+    messages: list[dict] = []
+    for c, t in tqdm(turns, desc=desc, unit="turn"):
+        messages = [] if t == 0 else messages
+        messages.append({"role": "user", "content": conversations[c][t]})
+        yield c, t, prompt_ids(tokenizer, messages), messages
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -130,17 +156,10 @@ def measure_hf(cfg: DictConfig, conversations: list[list[str]], tokenizer, draft
     drafter = Eagle3Drafter.from_checkpoint(checkpoint, dtype=dtype)
     target = TargetModel.load(cfg.target, drafter.config.aux_layer_ids, drafter.config.aux_convention, dtype,
                               cfg.trust_remote_code)
-    decoder, render, stops = SpeculativeDecoder(target, drafter, cfg.num_steps), chat_renderer(tokenizer), \
-        stop_ids(tokenizer, Path(cfg.target))
-    warm_up = tokenizer.encode(render([{"role": "user", "content": "hi"}]), add_special_tokens=False)
-    decoder.generate(warm_up, 4, stops)  # first calls pay one-off allocation costs; keep them out of tok/s
+    decoder, stops = SpeculativeDecoder(target, drafter, cfg.num_steps), stop_ids(tokenizer, Path(cfg.target))
+    decoder.generate(prompt_ids(tokenizer, WARM_UP), 4, stops)  # one-off allocation costs, kept out of tok/s
     rows, accepted = [], []
-    turns = [(c, t) for c, conversation in enumerate(conversations) for t in range(len(conversation))]
-    messages: list[dict] = []
-    for c, t in tqdm(turns, desc="probe", unit="turn"):
-        messages = [] if t == 0 else messages
-        messages.append({"role": "user", "content": conversations[c][t]})
-        prompt = tokenizer.encode(render(messages), add_special_tokens=False)
+    for c, t, prompt, messages in asked_turns(conversations, tokenizer, "probe"):
         plain = greedy_generate(target, prompt, cfg.max_new_tokens, stops)
         spec = decoder.generate(prompt, cfg.max_new_tokens, stops)
         if spec.tokens != plain.tokens:
@@ -164,17 +183,108 @@ def measure_sglang(cfg: DictConfig, conversations: list[list[str]], tokenizer, d
                       topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens, log_path=log_path)
 
 
-def summarise(rows: list[dict], accepted: list[int], num_steps: int, backend: Backend) -> dict[str, float]:
+def counter_delta(after: dict, before: dict, name: str) -> int | list[int]:
+    key = f"vllm:spec_decode_{name}"
+    if isinstance(after.get(key), list):
+        previous = before.get(key) or [0] * len(after[key])
+        return [a - b for a, b in zip(after[key], previous)]
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def ask_turn_by_turn(engine: VllmEngine, conversations: list[list[str]], tokenizer, cfg: DictConfig,
+                     stops: list[int]) -> list[dict]:
+    """Each turn as its own greedy request (batch 1, as the hf backend and SGLang's benchmarks ask), on the
+    history of the engine's own answers; vLLM's counters read before and after give each turn's drafts."""
+    rows = []
+    counters = engine.generate([prompt_ids(tokenizer, WARM_UP)], 4, stop_token_ids=stops)["counters"]
+    for c, t, prompt, messages in asked_turns(conversations, tokenizer, "probe (vllm)"):
+        answer = engine.generate([prompt], cfg.max_new_tokens, stop_token_ids=stops)
+        tokens, before, counters = answer["outputs"][0], counters, answer["counters"]
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": text})
+        drafts = counter_delta(counters, before, "num_drafts")
+        rows.append({"conversation": c, "turn": t, "prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+                     "verify_steps": 1 + drafts, "accept_len": round(len(tokens) / (1 + drafts), 4),
+                     "drafts": drafts, "accepted": counter_delta(counters, before, "num_accepted_tokens"),
+                     "accepted_per_pos": counter_delta(counters, before, "num_accepted_tokens_per_pos"),
+                     "seconds": round(answer["seconds"], 4), "text": text, "prompt": prompt, "tokens": tokens})
+    return rows
+
+
+def check_same_tokens(rows: list[dict], reference: list[list[int]], against: str, out: str) -> None:
+    """Every answer equals the reference decoding's, else one error naming the turn, token index and prompt."""
+    for row, expected in zip(rows, reference):
+        if row["tokens"] != expected:
+            at = first_difference(row["tokens"], expected)
+            raise RegraftError(out, f"not lossless: vLLM with speculation left {against} at token {at} of "
+                               f"conversation {row['conversation']} turn {row['turn']} (prompt ends "
+                               f"{row['prompt'][-8:]}, speculative {row['tokens'][at:at + 4]} vs "
+                               f"{expected[at:at + 4]})", "report this with the target, drafter and engine versions")
+
+
+def plain_vllm(engine: VllmEngine, cfg: DictConfig, prompts: list[list[int]], stops: list[int]) -> tuple[list, float]:
+    """The same prompts through vLLM without speculation, one by one: token ids and seconds."""
+    engine.start(cfg.target, dtype=cfg.dtype, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
+    engine.generate(prompts[:1], 4, stop_token_ids=stops)
+    answers = [engine.generate([prompt], cfg.max_new_tokens, stop_token_ids=stops) for prompt in prompts]
+    return [a["outputs"][0] for a in answers], sum(a["seconds"] for a in answers)
+
+
+def plain_hf(cfg: DictConfig, prompts: list[list[int]], stops: list[int], drafter_path: Path) -> list[list[int]]:
+    config = DrafterCheckpoint.open(drafter_path).config
+    target = TargetModel.load(cfg.target, config.aux_layer_ids, config.aux_convention, getattr(torch, cfg.dtype),
+                              cfg.trust_remote_code)
+    return [greedy_generate(target, prompt, cfg.max_new_tokens, set(stops)).tokens for prompt in prompts]
+
+
+def measure_vllm(cfg: DictConfig, conversations: list[list[str]], tokenizer, drafter_path: Path,
+                 out: Path) -> tuple[list[dict], dict[str, float]]:
+    """Speculative answers from vLLM, held against vLLM's plain greedy and (check_hf) the hf target's."""
+    served = served_drafter(drafter_path, out / "served_drafter", cfg.target)
+    stops = sorted(stop_ids(tokenizer, Path(cfg.target)))
+    speculative = {"method": "eagle3", "model": str(served), "num_speculative_tokens": cfg.num_steps}
+    with VllmEngine(cfg.vllm, out / "engine.log") as engine:
+        startup = engine.start(cfg.target, dtype=cfg.dtype, speculative=speculative, seed=cfg.seed,
+                               trust_remote_code=cfg.trust_remote_code)
+        rows = ask_turn_by_turn(engine, conversations, tokenizer, cfg, stops)
+        prompts = [row["prompt"] for row in rows]
+        plain, plain_seconds = plain_vllm(engine, cfg, prompts, stops)
+    check_same_tokens(rows, plain, "vLLM's plain greedy decoding", cfg.out)
+    if cfg.check_hf:
+        check_same_tokens(rows, plain_hf(cfg, prompts, stops, drafter_path), "the hf target's greedy decoding",
+                          cfg.out)
+    for row, seconds in zip(rows, [plain_seconds / len(rows)] * len(rows)):
+        row["plain_seconds"] = round(seconds, 4)
+    drafts = sum(row["drafts"] for row in rows)
+    per_position = [sum(row["accepted_per_pos"][i] for row in rows) for i in range(cfg.num_steps)]
+    extra = {"accept_len_vllm": 1 + sum(row["accepted"] for row in rows) / max(drafts, 1),
+             "import_seconds": engine.import_seconds, "startup_seconds": startup,
+             "plain_startup_seconds": engine.startup_seconds,
+             "plain_tok_s": sum(len(p) for p in plain) / plain_seconds, **acceptance(per_position, drafts)}
+    for row in rows:
+        del row["prompt"], row["tokens"], row["accepted_per_pos"]
+    return rows, extra
+
+
+def acceptance(per_position: list[int], drafts: int) -> dict[str, float]:
+    """Per draft position: how many drafts had it accepted (counts, as vLLM's `num_accepted_tokens_per_pos`) and
+    the share of drafts."""
+    metrics: dict[str, float] = {"drafts": drafts}
+    for position, count in enumerate(per_position):
+        metrics[f"accepted_at_{position + 1}"] = count
+        metrics[f"accept_rate_{position + 1}"] = count / max(drafts, 1)
+    return metrics
+
+
+def summarise(rows: list[dict], extra: dict[str, float], num_steps: int, backend: Backend) -> dict[str, float]:
     tokens = sum(row["completion_tokens"] for row in rows)
     seconds = sum(row["seconds"] for row in rows)
     metrics = {"accept_len": accept_length(rows), "tok_s": tokens / seconds if seconds else float("nan"),
-               "completion_tokens": tokens, "turns": len(rows), "num_steps": num_steps}
-    if backend is Backend.hf:
+               "completion_tokens": tokens, "turns": len(rows), "num_steps": num_steps, **extra}
+    if backend is not Backend.sglang:
         plain_seconds = sum(row["plain_seconds"] for row in rows)
-        metrics.update(plain_tok_s=tokens / plain_seconds, speedup=plain_seconds / seconds)
-        for position in range(num_steps):
-            rate = sum(a > position for a in accepted) / max(len(accepted), 1)
-            metrics[f"accept_rate_{position + 1}"] = rate
+        metrics.setdefault("plain_tok_s", tokens / plain_seconds)
+        metrics["speedup"] = plain_seconds / seconds
     return metrics
 
 
@@ -210,23 +320,31 @@ def run(cfg: DictConfig) -> StageResult:
         raise RegraftError(drafter_path, "no drafter config.json", "give drafter= a drafter checkpoint folder")
     tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
     conversations = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed)
+    # the vllm backend serves a converted copy in vLLM's convention, so only SGLang can read the ids wrong
     warning = aux_convention_warning(drafter_config, "sglang") if backend is Backend.sglang else None
     if warning:
         print(f"warning: {warning}")
     with staged_output(cfg.out, "probe", cfg) as staged:
-        accepted: list[int] = []
+        extra: dict[str, float] = {}
         if backend is Backend.hf:
             rows, accepted = measure_hf(cfg, conversations, tokenizer, drafter_path)
+            extra = acceptance([sum(a > i for a in accepted) for i in range(cfg.num_steps)], len(accepted))
+        elif backend is Backend.vllm:
+            rows, extra = measure_vllm(cfg, conversations, tokenizer, drafter_path, staged.path)
         else:
             rows = measure_sglang(cfg, conversations, tokenizer, drafter_path, staged.path / "server.log")
-        metrics = summarise(rows, accepted, cfg.num_steps, backend)
+        metrics = summarise(rows, extra, cfg.num_steps, backend)
         write_rows(rows, staged.path / "per_prompt.csv")
-        if backend is Backend.hf:
+        if backend is not Backend.sglang:
             plot_acceptance(metrics, cfg.num_steps, staged.path / "acceptance.png")
-        headline = f"accept_len {metrics['accept_len']:.2f} at {cfg.num_steps} draft steps, " \
-                   f"{metrics['tok_s']:.0f} tok/s"
-        if backend is Backend.hf:
-            headline += f" vs {metrics['plain_tok_s']:.0f} plain ({metrics['speedup']:.2f}x), lossless on {len(rows)} turns"
+        headline = f"accept_len {metrics['accept_len']:.2f} at {cfg.num_steps} draft steps"
+        if backend is Backend.vllm:
+            headline += f" (vLLM's 1+accepted/drafts: {metrics['accept_len_vllm']:.2f})"
+        headline += f", {metrics['tok_s']:.0f} tok/s"
+        if backend is not Backend.sglang:
+            against = " vs vLLM plain" + (" and hf" if cfg.check_hf else "") if backend is Backend.vllm else ""
+            headline += (f" vs {metrics['plain_tok_s']:.0f} plain ({metrics['speedup']:.2f}x), lossless{against} "
+                         f"on {len(rows)} turns")
         (staged.path / "report.json").write_text(json.dumps(
             {"metrics": metrics, "drafter": str(drafter_path), "aux_warning": warning}, indent=2))
         staged.update(metrics=metrics, headline=headline)

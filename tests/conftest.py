@@ -111,6 +111,21 @@ def finetune_cfg(target_dir, chats, training_map, out: Path, *extra: str):
 
 
 @pytest.fixture(scope="session")
+def engine_target(tokenizer_dir, chats, tmp_path_factory) -> Path:
+    """`trained_target` with heads of 32 dims: vLLM's CPU attention takes head sizes of 32 and up (the other
+    fixtures' targets have 8)."""
+    folder = tmp_path_factory.mktemp("engine")
+    raw = toy.tiny_llama(tokenizer_dir, folder / "raw", hidden_size=64, num_layers=4, num_heads=2)
+    return toy.train_causal_lm(raw, chats, folder / "target", steps=60, max_length=48)
+
+
+@pytest.fixture(scope="session")
+def engine_scratch_run(engine_target, chats, training_map, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine") / "scratch"
+    return out, finetune.run(finetune_cfg(engine_target, chats, training_map, out, "init=scratch"))
+
+
+@pytest.fixture(scope="session")
 def scratch_run(trained_target, chats, training_map, tmp_path_factory):
     out = tmp_path_factory.mktemp("ft") / "scratch"
     return out, finetune.run(finetune_cfg(trained_target, chats, training_map, out, "init=scratch"))

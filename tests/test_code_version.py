@@ -15,7 +15,7 @@ COMMON = sorted(f"stages.common.{p.stem}" for p in (cache.ROOT / "stages" / "com
 
 
 def test_the_stages_are_the_ones_the_pipeline_runs():
-    assert STAGES == ["compare", "features", "finetune", "probe", "remap", "vocab_map", "world"]
+    assert STAGES == ["compare", "features", "finetune", "probe", "regenerate", "remap", "vocab_map", "world"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -67,7 +67,28 @@ def test_trusting_the_targets_code_reaches_every_stage_that_loads_it():
         new_target = [node for node in nodes if not node.name.startswith("source_")]  # those load target A
         assert {node.name for node in new_target if node.config.get("trust_remote_code") is trusted} == loads_target
     assert {node.name for node in nodes_for("experiment=kimi_k25") if node.config.get("trust_remote_code")} \
-        == loads_target
+        == loads_target | {"regenerate"}  # the real case regenerates its data (its tokenizer is Kimi's code)
+
+
+def test_regenerate_is_off_by_default_and_when_on_feeds_everything_that_trains():
+    assert "regenerate" not in {node.name for node in nodes_for()}
+    nodes = {node.name: node for node in nodes_for("pipeline.regenerate=true")}
+    regenerate, names = nodes["regenerate"], list(nodes)
+    assert regenerate.stage == "regenerate" and regenerate.phase == "prep"
+    assert (regenerate.config.target, regenerate.config.data) == ("@world/target_b", "@world/data_b.jsonl")
+    assert names.index("regenerate") < min(names.index(name) for name in ("vocab_map", "features", "finetune"))
+    assert nodes["vocab_map"].config.data == nodes["features"].config.data == "@regenerate/regenerated.jsonl"
+    online = {node.name: node for node in nodes_for("pipeline.regenerate=true", "pipeline.offline=false")}
+    assert online["finetune"].config.data == online["baseline_finetune"].config.data == "@regenerate/regenerated.jsonl"
+    assert nodes["probe"].config.prompts == "@world/prompts_b.jsonl"  # the held-out prompts stay as they are
+
+
+def test_a_regenerate_option_changes_the_keys_of_what_trains_on_its_answers_only():
+    on = ("pipeline.regenerate=true",)
+    assert changed(keys_for(nodes_for(*on)), keys_for(nodes_for(*on, "regenerate.temperature=0.7"))) == {
+        "regenerate", "vocab_map", "compare", "remap", "features", "finetune", "evaluate", "baseline_finetune",
+        "baseline_evaluate"}
+    assert not changed(keys_for(nodes_for()), keys_for(nodes_for("regenerate.temperature=0.7")))  # off: unread
 
 
 def test_a_scratch_finetune_is_its_own_baseline():

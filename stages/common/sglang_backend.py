@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -27,12 +24,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from stages.common.drafter_config import CONVENTIONS, INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
+from stages.common.engine_process import ServerProcess
 from stages.common.errors import RegraftError
 from stages.common.runtime import free_port
-
-POLL_S = 0.2  # /health poll interval while the server starts
-LOG_TAIL_LINES = 8
-
 
 @dataclass
 class SglangConfig:
@@ -75,122 +69,22 @@ def _client_url(host: str, port: str) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
 
-class SglangServer:
+class SglangServer(ServerProcess):
     """Context manager: start `command` (its own process group, output to `log_path`), wait for `GET /health`
     to answer 200, yield; on exit stop the whole group, also after an exception. With `cfg.server_url` set it
-    only checks that server's health: nothing is started, nothing stopped."""
+    only checks that server's health: nothing is started, nothing stopped (`ServerProcess`)."""
 
     def __init__(self, cfg: SglangConfig, command: list[str] | None, log_path: Path):
-        self.cfg, self.command, self.log_path = cfg, command, Path(log_path)
-        self.process: subprocess.Popen | None = None
         if cfg.server_url:
-            self.url = cfg.server_url.rstrip("/")
+            url, command = cfg.server_url, None
         elif command:
-            self.url = _client_url(_flag(command, "--host"), _flag(command, "--port"))
+            url = _client_url(_flag(command, "--host"), _flag(command, "--port"))
         else:
             raise RegraftError(None, "no SGLang server to use", "set sglang.server_url or give a launch command")
-
-    def __enter__(self) -> "SglangServer":
-        if self.cfg.server_url:
-            if not _healthy(self.url, self.cfg.request_timeout_s):
-                raise RegraftError(self.url, "no healthy SGLang server answers GET /health",
-                                   "start the server first, or unset sglang.server_url to let regraft start one")
-            return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:  # the child keeps its own copy of the descriptor
-            try:
-                self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
-                                                stderr=subprocess.STDOUT, start_new_session=True)
-            except OSError as exc:
-                raise RegraftError(self.command[0], f"cannot start the SGLang server ({exc.strerror})",
-                                   "set sglang.python to an interpreter that has sglang installed") from exc
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        while time.monotonic() < deadline:
-            self.raise_if_exited("before it became healthy")
-            if _healthy(self.url, min(5.0, self.cfg.startup_timeout_s)):
-                return
-            time.sleep(POLL_S)
-        raise RegraftError(self.log_path, f"SGLang server not healthy after {self.cfg.startup_timeout_s:g} s "
-                           f"(stopped it); log ends: {_log_tail(self.log_path)}",
-                           "read the log, or raise sglang.startup_timeout_s")
-
-    def raise_if_exited(self, when: str, wait_s: float = 0.0) -> None:
-        """A started server that has exited (within `wait_s`) is an error naming its log; a running one is not."""
-        if self.process is None:
-            return
-        try:
-            code = self.process.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            return
-        raise RegraftError(self.log_path, f"SGLang server exited with code {code} {when}; log ends: "
-                           f"{_log_tail(self.log_path)}", "read the log; check the model paths and server flags")
-
-    def stop(self) -> None:
-        """SIGTERM to the process group, SIGKILL to whatever is left after `stop_grace_s`."""
-        if self.process is None:
-            return
-        group = self.process.pid  # start_new_session: the leader's pid is the group id
-        _signal_group(group, signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.stop_grace_s
-        while (self.process.poll() is None or _group_alive(group)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self.process.poll() is None or _group_alive(group):
-            _signal_group(group, signal.SIGKILL)
-        self.process.wait()
-        self.process = None
-
-
-def _signal_group(group: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(group, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_alive(group: int) -> bool:
-    """Whether any process of the group still runs; zombies (exited, not yet reaped by init) do not count."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(group, 0)
-            return True
-        except ProcessLookupError:
-            return False
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, IndexError, ValueError):
-            continue  # exited while we looked
-        if int(pgrp) == group and state != "Z":
-            return True
-    return False
-
-
-def _log_tail(path: Path) -> str:
-    try:
-        lines = [line.strip()[:300] for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return "(no log)"
-    return " | ".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
-
-
-def _healthy(url: str, timeout: float) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as answer:
-            return answer.status == 200
-    except (urllib.error.URLError, http.client.HTTPException, OSError):  # refused, 503 while loading, timeouts
-        return False
+        super().__init__("SGLang server", command, url, log_path, settings="sglang",
+                         startup_timeout_s=cfg.startup_timeout_s, request_timeout_s=cfg.request_timeout_s,
+                         stop_grace_s=cfg.stop_grace_s)
+        self.cfg = cfg
 
 
 def _post(url: str, payload: dict | None, timeout: float) -> bytes:

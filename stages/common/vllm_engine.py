@@ -1,0 +1,184 @@
+"""vLLM as an engine for regraft's stages: one offline `vllm.LLM` in a subprocess of the engine venv.
+
+vLLM pins its own transformers, so it lives in its own venv (`make venv-vllm` builds `.venv-vllm`); regraft drives
+it through `stages/common/vllm_worker.py` with JSON lines: token-id prompts in, token ids and vLLM's own counters
+out. The engine stays up across requests (a multi-turn probe asks turn 2 after it has read turn 1's answers), in its
+own process group with its output in a log file, and the whole group is stopped on exit, after an error too.
+
+On CPU (this machine) vLLM wants most of the RAM for its KV cache unless told otherwise: `VLLM_CPU_KVCACHE_SPACE`
+(GiB) and `gpu_memory_utilization` keep it small, and eager mode skips graph compilation.
+
+    with VllmEngine(VllmConfig(), log_path=LOG) as engine:
+        engine.start(TARGET, speculative={"method": "eagle3", "model": DRAFTER, "num_speculative_tokens": 3})
+        answer = engine.generate([[1, 2, 3]], max_tokens=16)
+        engine.start(TARGET)  # the same worker, a plain engine: seconds, not another minute of imports
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from stages.common import vllm_worker  # noqa: F401  (runs in the engine venv; imported here for the cache key)
+from stages.common.engine_process import log_tail, stop_group
+from stages.common.errors import RegraftError
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PYTHON = ".venv-vllm/bin/python"
+KNOWN_FAILURES = {  # vLLM's message -> what the user can do about it
+    "Unsupported CPU attention configuration": "vLLM's CPU attention takes head sizes (hidden_size / "
+    "num_attention_heads) of 32, 64, 80, 96, 112, 128 and up; serve this target on a GPU, or use the hf backend",
+}
+
+
+@dataclass
+class VllmConfig:
+    python: str = DEFAULT_PYTHON  # the engine venv's interpreter (relative: to the project root); make venv-vllm
+    kvcache_space_gib: Optional[float] = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU; None leaves vLLM's default
+    gpu_memory_utilization: float = 0.1  # on CPU it sizes the KV cache from RAM: keep it small beside training
+    enforce_eager: bool = True  # no graph capture or compilation: minutes saved at start on CPU
+    max_model_len: Optional[int] = None  # None = the target's own
+    max_num_seqs: Optional[int] = None  # None = vLLM's default
+    tensor_parallel_size: int = 1  # GPUs one engine spans (8 for a Kimi-sized target)
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 1800.0
+    stop_grace_s: float = 30.0
+    in_process: bool = True  # the engine core in the worker's process: one interpreter's imports, not three
+    # (a minute on 2 cores), and a second engine in the same worker starts in seconds
+    threads: Optional[int] = 1  # torch intra-op threads of an in-process CPU engine; vLLM's own engine process sets
+    # (and pins) them, in-process it does not, and batch-1 decoding on 2 busy cores ran ~10x slower with 2 threads
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the engine process
+
+
+def engine_python(cfg: VllmConfig) -> Path:
+    path = Path(cfg.python)
+    return path if path.is_absolute() else ROOT / path
+
+
+def engine_available(cfg: VllmConfig | None = None) -> bool:
+    return engine_python(cfg or VllmConfig()).exists()
+
+
+class VllmEngine:
+    """Context manager: start the worker, wait for its ready line, answer requests; stop the group on exit."""
+
+    def __init__(self, cfg: VllmConfig, log_path: Path):
+        self.cfg, self.log_path = cfg, Path(log_path)
+        self.process: subprocess.Popen | None = None
+        self.import_seconds = self.startup_seconds = float("nan")
+        self._lines = b""
+
+    def __enter__(self) -> "VllmEngine":
+        python = engine_python(self.cfg)
+        if not python.exists():
+            raise RegraftError(python, "no vLLM engine venv", "run `make venv-vllm`, or set the stage's "
+                               "vllm.python= to an interpreter that has vllm installed")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "TOKENIZERS_PARALLELISM": "false", **self.cfg.env}
+        if self.cfg.kvcache_space_gib is not None:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.cfg.kvcache_space_gib:g}")
+        if self.cfg.in_process:
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen([str(python), "-m", "stages.common.vllm_worker"], cwd=ROOT, env=env,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                            start_new_session=True)
+        try:
+            self.import_seconds = self._read(self.cfg.startup_timeout_s, "while it imported vLLM")["imported"]
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start(self, model: str | Path, *, dtype: str = "float32", speculative: dict | None = None,
+              kv_transfer: dict | None = None, seed: int = 0, trust_remote_code: bool = False,
+              extra: dict[str, Any] | None = None) -> float:
+        """(Re)start the engine on `model`; returns its start-up seconds (imports not counted)."""
+        spec = {"model": str(model), "dtype": dtype, "seed": seed, "speculative": speculative,
+                "kv_transfer": kv_transfer, "enforce_eager": self.cfg.enforce_eager,
+                "trust_remote_code": trust_remote_code, "tensor_parallel_size": self.cfg.tensor_parallel_size,
+                "gpu_memory_utilization": self.cfg.gpu_memory_utilization, "max_model_len": self.cfg.max_model_len,
+                "max_num_seqs": self.cfg.max_num_seqs, "threads": self.cfg.threads, **(extra or {})}
+        self.startup_seconds = self.request({"op": "start", "spec": spec}, self.cfg.startup_timeout_s)[
+            "startup_seconds"]
+        return self.startup_seconds
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        try:
+            self.process.stdin.write(b'{"op": "exit"}\n')
+            self.process.stdin.close()
+            self.process.wait(timeout=10)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+        stop_group(self.process, self.cfg.stop_grace_s)  # vLLM's own engine-core processes too
+        self.process = None
+
+    def request(self, payload: dict, timeout: float | None = None) -> dict:
+        if self.process is None:
+            raise RegraftError(self.log_path, "the vLLM engine is not running", "use VllmEngine as a context manager")
+        self.process.stdin.write((json.dumps(payload) + "\n").encode())
+        self.process.stdin.flush()
+        answer = self._read(timeout or self.cfg.request_timeout_s, f"during {payload['op']}")
+        if "error" in answer:
+            fix = next((fix for known, fix in KNOWN_FAILURES.items() if known in answer["error"]),
+                       "read the engine log")
+            raise RegraftError(self.log_path, f"vLLM failed in {payload['op']}: {answer['error']}", fix)
+        return answer
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+                 stop_token_ids: list[int] | None = None, seed: int | list[int] | None = None) -> dict:
+        """Token ids per prompt (`outputs`), `finish_reasons`, `seconds` and vLLM's cumulative `counters`; `seed`
+        one for all prompts or one per prompt (vLLM seeds each request, so an answer does not depend on its batch)."""
+        return self.request({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                             "temperature": temperature, "top_p": top_p, "stop_token_ids": sorted(stop_token_ids or []),
+                             "seed": seed})
+
+    def hidden_states(self, prompts: list[list[int]], out_dir: Path) -> dict:
+        return self.request({"op": "hidden_states", "prompts": prompts, "out": str(out_dir)})
+
+    def _read(self, timeout: float, when: str) -> dict:
+        """The worker's next answer line; an exit or a timeout is an error that quotes the log."""
+        deadline = time.monotonic() + timeout
+        stream = self.process.stdout
+        with selectors.DefaultSelector() as selector:
+            selector.register(stream, selectors.EVENT_READ)
+            while b"\n" not in self._lines:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.stop()
+                    raise RegraftError(self.log_path, f"vLLM gave no answer {when} within {timeout:g} s (stopped "
+                                       f"it); log ends: {log_tail(self.log_path)}", "read the engine log")
+                if selector.select(timeout=min(left, 1.0)):
+                    chunk = os.read(stream.fileno(), 1 << 16)
+                    if not chunk:
+                        code = self.process.wait()
+                        raise RegraftError(self.log_path, f"vLLM exited with code {code} {when}; log ends: "
+                                           f"{log_tail(self.log_path)}", "read the engine log")
+                    self._lines += chunk
+        line, self._lines = self._lines.split(b"\n", 1)
+        return json.loads(line)
+
+
+def served_drafter(drafter: Path, out_dir: Path, verifier: str | Path) -> Path:
+    """The drafter as vLLM reads it: the speculators layout with input-of-layer aux ids (vLLM's id j is the state
+    after j layers), whatever layout and convention it came in."""
+    from stages.common.checkpoint import convert_checkpoint
+    from stages.common.drafter_config import INPUT_OF_LAYER
+
+    return convert_checkpoint(drafter, out_dir, "speculators", INPUT_OF_LAYER, verifier=str(verifier))
+
+
+def scratch_dir(parent: Path, prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
