@@ -5,6 +5,7 @@
     source drafter -> probe                          (phase 0: the source drafter on the new target, as it is)
     vocab_map (new target's data) -> compare         (the source drafter's own map vs the new one)
     vocab_map -> remap (source lm_head rows onto the new map)
+    remap -> diagnose (source.target vs the new target: drift, step-0 starts, the re-aligned drafter)
     features (the new target's states, cached once) -> finetune (from remap) -> evaluate            (phase 1)
     features -> baseline_finetune (from scratch) -> baseline_evaluate                          (its baseline)
 
@@ -26,7 +27,7 @@ from stages.common.errors import RegraftError
 from stages.common.stage import compose_stage
 
 REFERENCE = re.compile(r"^@(?P<node>[a-z_]+)(?:/(?P<sub>.*))?$")
-PHASES = {"world": "setup", "source_map": "setup", "source_drafter": "setup", "regenerate": "prep", "probe": "0",
+PHASES = {"world": "setup", "source_map": "setup", "source_drafter": "setup", "regenerate": "prep", "diagnose": "prep", "probe": "0",
           "vocab_map": "prep", "compare": "prep", "remap": "prep", "features": "prep", "finetune": "1", "evaluate": "1",
           "baseline_finetune": "baseline", "baseline_evaluate": "baseline"}
 
@@ -85,7 +86,7 @@ def wired(group: DictConfig, **inputs: Any) -> DictConfig:
 
 
 def finetune_drafter(init: str, source: str) -> str | None:
-    return {"remap": "@remap", "as_is": source, "scratch": None}[init]
+    return {"remap": "@remap", "realign": "@diagnose/realigned", "as_is": source, "scratch": None}[init]
 
 
 def source_nodes(build: DictConfig) -> list[Node]:
@@ -115,11 +116,17 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
     nodes.append(Node("vocab_map", "vocab_map", wired(cfg.vocab_map, tokenizer=target, data=data)))
     nodes.append(Node("compare", "compare", wired(cfg.compare, a=source, b="@vocab_map")))
     nodes.append(Node("remap", "remap", wired(cfg.remap, drafter=source, vocab_map="@vocab_map", verifier=target)))
+    init = OmegaConf.to_container(cfg.finetune, enum_to_str=True)["init"]
+    if cfg.pipeline.diagnose or init == "realign":  # realign's drafter is the one diagnose re-aligns
+        built_here = cfg.source.build is not None and str(source).startswith("@source_drafter")
+        old_target = cfg.source.target or (cfg.source.build.target if built_here else None)
+        nodes.append(Node("diagnose", "diagnose", wired(cfg.diagnose, drafter="@remap", target=target, data=data,
+                                                        target_a=old_target, vocab_map="@vocab_map")))
     training = {"data": data}
     if cfg.pipeline.offline:
         nodes.append(Node("features", "features", wired(cfg.features, target=target, data=data, drafter=source)))
         training = {"features": "@features", "data": None}
-    runs = [("finetune", "evaluate", OmegaConf.to_container(cfg.finetune, enum_to_str=True)["init"])]
+    runs = [("finetune", "evaluate", init)]
     if cfg.pipeline.baseline:
         runs.append(("baseline_finetune", "baseline_evaluate", "scratch"))
     for train_name, eval_name, init in runs:

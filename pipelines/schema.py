@@ -13,6 +13,7 @@ from omegaconf import MISSING
 
 from stages.common.stage import register_schema, setting
 from stages.compare import CompareConfig
+from stages.diagnose import DiagnoseConfig
 from stages.features import FeaturesConfig
 from stages.finetune import FinetuneConfig
 from stages.probe import ProbeConfig
@@ -49,6 +50,8 @@ class SourceBuild:
 class SourceConfig:
     path: str = MISSING  # drafter folder, sglang or speculators layout, or @source_drafter/drafter
     build: Optional[SourceBuild] = None  # set only for a drafter regraft trains itself (the built-in world's)
+    target: Optional[str] = None  # the target the drafter was trained for (diagnose's target A, realign's source);
+    # None: build.target for the built-in drafter (path @source_drafter/...), else unknown (diagnose then gives what it can without it)
 
 
 @dataclass
@@ -93,6 +96,7 @@ class PipelineSwitches:
     probe: bool = True  # phase 0: the source drafter on the new target, as it is
     offline: bool = True  # features once, then fine-tunes read them (false: the target runs in every step)
     baseline: bool = True  # a from-scratch fine-tune + evaluate beside the remapped one
+    diagnose: bool = True  # how far the target moved for the drafter (needs source.target for the drift numbers)
     evaluate: bool = True  # phase 1: the fine-tuned drafters, measured as the probe measures
 
 
@@ -116,6 +120,7 @@ class RegraftConfig:
     vocab_map: VocabMapConfig = MISSING
     compare: CompareConfig = MISSING
     remap: RemapConfig = MISSING
+    diagnose: DiagnoseConfig = MISSING
     features: FeaturesConfig = MISSING
     finetune: FinetuneConfig = MISSING
     launcher: LauncherConfig = MISSING

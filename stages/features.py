@@ -2,29 +2,40 @@
 
 In: the target model folder, chat JSONL, and the aux layers (from a drafter's config, or given).
 Out: `features-NNNNN.safetensors` shards (stages/common/feature_shards.py) and a manifest with the aux layer ids
-(output-of-layer convention). A sweep of N fine-tunes (`finetune.features=DIR`) then runs the
-expensive target forward once instead of N times.
+(output-of-layer convention), `last_hidden` (where the final state is stored: `all` positions, or `loss_masked`,
+only where a TTT loss can read it) and what the shards cost (`bytes`, `bytes_per_token`). A sweep of N fine-tunes
+(`finetune.features=DIR`) then runs the expensive target forward once instead of N times, and streams the shards.
 
     python -m stages.features target=DIR data=FILE drafter=DRAFTER out=DIR
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import torch
+
 from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
 from stages.common.artifacts import staged_output
 from stages.common.chat import load_tokenizer, tokenized_chats
 from stages.common.checkpoint import DrafterCheckpoint
-from stages.common.drafter_config import OUTPUT_OF_LAYER, aux_layer_ids_for, convert_aux_layer_ids
-from stages.common.feature_shards import shard_path, write_shard
+from stages.common.drafter_config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, aux_layer_ids_for, convert_aux_layer_ids
+from stages.common.errors import RegraftError
+from stages.common.feature_shards import LastHidden, ShardWriter
 from stages.common.stage import StageResult, register_schema, setting, stage_main
-from stages.common.target import TargetModel
+from stages.common.target import FinalNorm, TargetModel
+from stages.common.vllm_engine import VllmConfig, VllmEngine
+
+
+class Backend(str, Enum):
+    hf = "hf"  # the target in transformers, in this process
+    vllm = "vllm"  # the target in vLLM (engine venv), states captured by its extract_hidden_states method
 
 
 @dataclass
@@ -38,6 +49,13 @@ class FeaturesConfig:
     max_length: int = setting(256, at_least=4)  # tokens per conversation, as the fine-tunes will truncate them
     batch_size: int = setting(8, at_least=1)  # conversations per target forward
     rows_per_shard: int = setting(512, at_least=1)  # conversations per safetensors shard
+    # the final hidden state at every position (all), or only where a TTT loss under any finetune.loss_mask reads
+    # it (loss_masked: answers and the token after each), saving H x itemsize at every other position
+    last_hidden: LastHidden = LastHidden.all
+    backend: Backend = Backend.hf  # hf: transformers here | vllm: vLLM's extract_hidden_states (make venv-vllm)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    vllm_connector: str = "cpu"  # cpu: regraft's connector (a CPU build) | stock: vLLM's own (GPU)
+    dtype: str = "float32"  # the target's dtype while it runs (the shards keep what it computes)
 
 
 register_schema("features", FeaturesConfig)
@@ -54,25 +72,90 @@ def aux_layers(cfg: DictConfig) -> list[int]:
     return aux_layer_ids_for(json.loads((Path(cfg.target) / "config.json").read_text())["num_hidden_layers"])
 
 
+Batch = dict[str, torch.Tensor]
+
+
+def batches(rows: Batch, size: int) -> Iterator[Batch]:
+    count = rows["input_ids"].shape[0]
+    for start in tqdm(range(0, count, size), desc="features", unit=" batch", mininterval=1.0):
+        yield {name: tensor[start:start + size] for name, tensor in rows.items()}
+
+
+def hf_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], _out: Path) -> Iterator[tuple[Batch, ...]]:
+    target = TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, getattr(torch, cfg.dtype), cfg.trust_remote_code)
+    for batch in batches(rows, cfg.batch_size):
+        features = target.batch_features(batch)
+        yield batch, features.aux_hidden, features.last_hidden
+
+
+def vllm_capture(cfg: DictConfig, layer_ids: list[int], num_layers: int, spill: Path) -> dict[str, Any]:
+    """vLLM's `extract_hidden_states` method: the aux layers in vLLM's convention (the state after j layers, so
+    output-of-layer i is j = i + 1) and the state after the last layer (j = L), through a hidden-states connector
+    that writes each prompt's states to `spill`."""
+    connector = {"cpu": ("CpuHiddenStatesConnector", "stages.common.vllm_hidden_states"),
+                 "stock": ("ExampleHiddenStatesConnector", None)}[cfg.vllm_connector]
+    capture = convert_aux_layer_ids(layer_ids, OUTPUT_OF_LAYER, INPUT_OF_LAYER) + [num_layers]
+    kv_transfer = {"kv_connector": connector[0], "kv_role": "kv_producer",
+                   "kv_connector_extra_config": {"shared_storage_path": str(spill)}}
+    if connector[1]:
+        kv_transfer["kv_connector_module_path"] = connector[1]
+    return {"speculative": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture}}},
+            "kv_transfer": kv_transfer,
+            "extra": {"enable_chunked_prefill": False, "max_model_len": cfg.vllm.max_model_len or cfg.max_length + 1}}
+
+
+def vllm_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], out: Path) -> Iterator[tuple[Batch, ...]]:
+    """The same rows through vLLM: each row's tokens (padding left out) as one prompt, prefill only; the final
+    state gets the target's final norm here, as the shards store it (logits = lm_head(last_hidden))."""
+    norm = FinalNorm.load(cfg.target)
+    spill = out / "engine_states"
+    with VllmEngine(cfg.vllm, out / "engine.log") as engine:
+        engine.start(cfg.target, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                     **vllm_capture(cfg, layer_ids, norm.num_layers, spill))
+        for batch in batches(rows, cfg.batch_size):
+            lengths = batch["attention_mask"].sum(-1).tolist()
+            prompts = [ids[:length].tolist() for ids, length in zip(batch["input_ids"], lengths)]
+            paths = engine.hidden_states(prompts, spill)["paths"]
+            aux = torch.zeros(*batch["input_ids"].shape, len(layer_ids) * norm.hidden_size)
+            last = torch.zeros(*batch["input_ids"].shape, norm.hidden_size)
+            for row, (path, length) in enumerate(zip(paths, lengths)):
+                states = read_engine_states(Path(path), prompts[row])
+                aux[row, :length] = states[:, :-1].flatten(1)
+                last[row, :length] = norm(states[:, -1])
+            yield batch, aux, last
+    shutil.rmtree(spill, ignore_errors=True)
+
+
+def read_engine_states(path: Path, prompt: list[int]) -> torch.Tensor:
+    """[T, layers, H] from the connector's file (removed once read), checked against the prompt it belongs to."""
+    from safetensors.torch import load_file
+
+    saved = load_file(path)
+    path.unlink()
+    Path(f"{path}.lock").unlink(missing_ok=True)
+    if saved["token_ids"].tolist() != prompt:
+        raise RegraftError(path, "the engine saved states for other tokens than the prompt sent",
+                           "report this with the vLLM version; rerun the stage")
+    return saved["hidden_states"].float()
+
+
 def run(cfg: DictConfig) -> StageResult:
     layer_ids = aux_layers(cfg)
-    target = TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, trust_remote_code=cfg.trust_remote_code)
     rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
     count = rows["input_ids"].shape[0]
     with staged_output(cfg.out, "features", cfg) as staged:
-        shard, pending = 0, []
-        for start in tqdm(range(0, count, cfg.batch_size), desc="features", unit=" batch", mininterval=1.0):
-            batch = {name: tensor[start:start + cfg.batch_size] for name, tensor in rows.items()}
-            features = target.batch_features(batch)
-            pending.append({**batch, "aux_hidden": features.aux_hidden, "last_hidden": features.last_hidden})
-            if sum(p["input_ids"].shape[0] for p in pending) >= cfg.rows_per_shard or start + cfg.batch_size >= count:
-                merged = {name: torch.cat([p[name] for p in pending]) for name in pending[0]}
-                write_shard(shard_path(staged.path, shard), merged)
-                shard, pending = shard + 1, []
-        metrics = {"rows": count, "shards": shard, "tokens": int(rows["attention_mask"].sum())}
+        writer = ShardWriter(staged.path, cfg.rows_per_shard, cfg.last_hidden)
+        produce = vllm_features if Backend(cfg.backend) is Backend.vllm else hf_features
+        for batch, aux_hidden, last_hidden in produce(cfg, rows, layer_ids, staged.path):
+            writer.add({**batch, "aux_hidden": aux_hidden, "last_hidden": last_hidden})
+        stored = writer.close()
+        metrics = {"rows": count, "tokens": int(rows["attention_mask"].sum()), **stored.metrics()}
         staged.update(metrics=metrics, aux_layer_ids=layer_ids, aux_convention=OUTPUT_OF_LAYER,
-                      max_length=cfg.max_length, target=str(Path(cfg.target).absolute()))
-    return StageResult(Path(cfg.out), metrics, f"{count} conversations, {shard} shards")
+                      max_length=cfg.max_length, target=str(Path(cfg.target).absolute()),
+                      last_hidden=LastHidden(cfg.last_hidden).value)
+    return StageResult(Path(cfg.out), metrics, f"{count} conversations, {stored.shards} shards, "
+                       f"{stored.bytes / 2 ** 20:.1f} MiB ({metrics['bytes_per_token']:.0f} bytes per token)")
 
 
 if __name__ == "__main__":

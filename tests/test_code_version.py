@@ -15,7 +15,7 @@ COMMON = sorted(f"stages.common.{p.stem}" for p in (cache.ROOT / "stages" / "com
 
 
 def test_the_stages_are_the_ones_the_pipeline_runs():
-    assert STAGES == ["compare", "features", "finetune", "probe", "regenerate", "remap", "vocab_map", "world"]
+    assert STAGES == ["compare", "diagnose", "features", "finetune", "probe", "regenerate", "remap", "vocab_map", "world"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -79,7 +79,7 @@ def test_editing_a_module_changes_exactly_the_keys_of_the_stages_that_run_it(cop
         source.write("\n# an edit\n")
     after = versions()
     assert {stage for stage in STAGES if before[stage] != after[stage]} == runs_it
-    expected = {"stages/common/spec_decode.py": {"probe"}, "stages/common/ttt.py": {"finetune"},
+    expected = {"stages/common/spec_decode.py": {"probe"}, "stages/common/ttt.py": {"diagnose", "finetune"},
                 "stages/world/toy.py": {"world"}, "stages/finetune/guard.py": {"finetune"},
                 "stages/common/errors.py": set(STAGES)}
     if edited in expected:

@@ -25,7 +25,7 @@ def changed(before: dict[str, str], after: dict[str, str]) -> set[str]:
 def test_the_default_dag_wires_every_stage_to_its_inputs():
     nodes = {node.name: node for node in nodes_for()}
     assert list(nodes) == ["world", "source_map", "source_drafter", "probe", "vocab_map", "compare", "remap",
-                           "features", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"]
+                           "diagnose", "features", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"]
     assert nodes["finetune"].upstream == ["features", "remap", "vocab_map", "world"]
     assert nodes["baseline_finetune"].config.init == "scratch" and nodes["baseline_finetune"].config.drafter is None
     assert nodes["evaluate"].config.drafter == "@finetune" and nodes["evaluate"].config.prompts == "@world/prompts_b.jsonl"
@@ -47,21 +47,22 @@ def test_the_built_in_source_drafter_is_trained_by_the_finetune_stage_on_target_
 
 @pytest.mark.parametrize("override,expected", [
     ("finetune.lr=1e-3", {"finetune", "evaluate", "baseline_finetune", "baseline_evaluate"}),
-    ("remap.fallback=mean", {"remap", "finetune", "evaluate"}),
+    ("remap.fallback=mean", {"remap", "diagnose", "finetune", "evaluate"}),
     ("probe.num_steps=5", {"probe", "evaluate", "baseline_evaluate"}),  # one measurement for both phases
-    ("vocab_map.draft_vocab_size=512", {"vocab_map", "compare", "remap", "finetune", "evaluate",
+    ("vocab_map.draft_vocab_size=512", {"vocab_map", "compare", "remap", "diagnose", "finetune", "evaluate",
                                         "baseline_finetune", "baseline_evaluate"}),
-    ("source.build.steps=30", {"source_drafter", "probe", "compare", "remap", "features", "finetune", "evaluate",
+    ("source.build.steps=30", {"source_drafter", "probe", "compare", "remap", "diagnose", "features", "finetune",
+                               "evaluate",
                                "baseline_finetune", "baseline_evaluate"}),  # features reads its aux layers
     ("world.seed=1", {"world", "source_map", "source_drafter", "probe", "vocab_map", "compare", "remap",
-                      "features", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"}),
+                      "diagnose", "features", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"}),
 ])
 def test_a_changed_option_changes_the_keys_downstream_only(override, expected):
     assert changed(keys_for(nodes_for()), keys_for(nodes_for(override))) == expected
 
 
 def test_trusting_the_targets_code_reaches_every_stage_that_loads_it():
-    loads_target = {"probe", "vocab_map", "features", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"}
+    loads_target = {"probe", "vocab_map", "features", "diagnose", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"}
     for trusted in (False, True):
         nodes = nodes_for(f"target.trust_remote_code={str(trusted).lower()}")
         new_target = [node for node in nodes if not node.name.startswith("source_")]  # those load target A
@@ -86,9 +87,19 @@ def test_regenerate_is_off_by_default_and_when_on_feeds_everything_that_trains()
 def test_a_regenerate_option_changes_the_keys_of_what_trains_on_its_answers_only():
     on = ("pipeline.regenerate=true",)
     assert changed(keys_for(nodes_for(*on)), keys_for(nodes_for(*on, "regenerate.temperature=0.7"))) == {
-        "regenerate", "vocab_map", "compare", "remap", "features", "finetune", "evaluate", "baseline_finetune",
+        "regenerate", "vocab_map", "compare", "remap", "diagnose", "features", "finetune", "evaluate", "baseline_finetune",
         "baseline_evaluate"}
     assert not changed(keys_for(nodes_for()), keys_for(nodes_for("regenerate.temperature=0.7")))  # off: unread
+
+
+def test_diagnose_reads_both_targets_and_realign_trains_its_drafter():
+    nodes = {node.name: node for node in nodes_for()}
+    diagnose = nodes["diagnose"].config
+    assert (diagnose.drafter, diagnose.target, diagnose.target_a) == ("@remap", "@world/target_b", "@world/target_a")
+    assert nodes["finetune"].config.drafter == "@remap"
+    realign = {node.name: node for node in nodes_for("finetune.init=realign", "pipeline.diagnose=false")}
+    assert realign["finetune"].config.drafter == "@diagnose/realigned" and "diagnose" in realign
+    assert "diagnose" not in {node.name for node in nodes_for("pipeline.diagnose=false")}
 
 
 def test_a_scratch_finetune_is_its_own_baseline():
@@ -101,7 +112,7 @@ def test_real_inputs_leave_the_world_and_the_built_in_drafter_out(tmp_path):
         (tmp_path / name).mkdir()
     (tmp_path / "chats.jsonl").write_text("")
     nodes = nodes_for(f"target.path={tmp_path / 'target'}", f"source.path={tmp_path / 'drafter'}",
-                      f"data.train={tmp_path / 'chats.jsonl'}", "data.prompts=builtin")
+                      f"data.train={tmp_path / 'chats.jsonl'}", "data.prompts=builtin", "source.target=null")
     assert not {"world", "source_map", "source_drafter"} & {node.name for node in nodes}
     before = keys_for(nodes)
     (tmp_path / "chats.jsonl").write_text('{"messages": []}\n')  # outside inputs are fingerprinted

@@ -1,20 +1,46 @@
-"""The features stage's cache as files: `features-NNNNN.safetensors` shards that offline fine-tunes read.
+"""The features stage's cache as files: `features-NNNNN.safetensors` shards, written and streamed back checked.
 
-Each shard holds `input_ids`, `attention_mask`, `loss_mask` [n, L], `aux_hidden` [n, L, 3H] and `last_hidden`
-[n, L, H] (after the final norm, so logits = lm_head(last_hidden)); the folder's manifest names the aux layers
-(output-of-layer convention) and `max_length` they were cached for, which a reader checks before using them.
+Each shard holds `input_ids`, `attention_mask`, `loss_mask` [n, L] and `aux_hidden` [n, L, 3H] (rows padded to
+`max_length`), and the final hidden state (after the final norm, so logits = lm_head(last_hidden)) in one of two
+forms (`LastHidden`, named in the manifest):
+- `all`: `last_hidden` [n, L, H];
+- `loss_masked`: only at the positions some TTT loss can read (`final_state_positions`), packed row after row as
+  `last_hidden_packed` [K, H], row i's states at `last_hidden_offsets[i]:[i+1]` ([n+1]); read back as [n, L, H]
+  with zeros elsewhere, which no loss or accuracy reads.
+
+Write with `ShardWriter`; what the shards cost comes back as `StoredFeatures` (`bytes_per_token`: the aux and
+final states per stored position at the stored dtype, 4 * H * itemsize with `all`). Read with `open_features`: a
+`FeatureRows` row source that reads only the rows a `take` asks for (positional reads into fresh buffers, each
+shard opened once per take and closed after it; no mmap, whose touched pages would count in the resident set), so
+a fine-tune holds one micro-batch of features, never the set. `TensorRows` is the same interface over rows in
+memory (online: tokenized chats), `RowSubset` a view of some rows (the train/val split). The manifest names the aux
+layers (output-of-layer convention), `max_length` and `last_hidden` the rows were cached with; opening checks them.
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from stages.common.artifacts import read_manifest
 from stages.common.errors import RegraftError
-from stages.common.tensor_io import SafetensorsFiles, spec_of, write_safetensors
+from stages.common.tensor_io import (StoredTensor, byte_view, numel, pread_exact, read_header, spec_of,
+                                     write_safetensors)
 
 SHARD_PATTERN = "features-*.safetensors"
+ROW_TENSORS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden")  # one row per conversation in every shard
+PACKED, OFFSETS = "last_hidden_packed", "last_hidden_offsets"
+
+
+class LastHidden(str, Enum):
+    """Where the final hidden state is stored."""
+
+    all = "all"  # every position: 4 * H values per position with the aux states
+    loss_masked = "loss_masked"  # only where a TTT loss can read it: about the assistant share of H per position
 
 
 def shard_path(folder: Path, index: int) -> Path:
@@ -25,8 +51,227 @@ def write_shard(path: Path, rows: dict[str, torch.Tensor]) -> None:
     write_safetensors(path, [spec_of(name, tensor.contiguous()) for name, tensor in rows.items()])
 
 
-def load_features(path: str | Path, aux_layer_ids: list[int], max_length: int) -> dict[str, torch.Tensor]:
-    """Every cached row, checked against what the training expects (aux layers, output convention)."""
+# ---------------------------------------------------------------- which final states a loss can read
+
+
+def final_state_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[n, L] bool: positions j with m[j] or m[j-1], a superset of the final states any TTT loss reads.
+
+    Step k's prediction at t (of token p = t+2+k) reads the target's logits at j = p-1 = t+1+k and only where its
+    gate is set (stages/common/ttt.py): `drafted` needs m[t+1..p], so m[j]; `speculators` m[t+1+k] = m[j];
+    `specforge` m[t+k] = m[j-1]. Elsewhere the loss multiplies the target's distribution by a zero gate and the
+    accuracy counts are and-ed with it, so a zero state there changes nothing, for every rule and any `ttt_steps`.
+    """
+    mask = loss_mask.to(torch.bool)
+    after = torch.zeros_like(mask)
+    after[:, 1:] = mask[:, :-1]
+    return mask | after
+
+
+def pack_final_states(rows: dict[str, torch.Tensor], last_hidden: LastHidden) -> dict[str, torch.Tensor]:
+    """A shard's tensors: rows as they are (`all`), or with `last_hidden` packed where a loss can read it."""
+    if last_hidden is LastHidden.all:
+        return rows
+    keep = final_state_positions(rows["loss_mask"])
+    offsets = torch.zeros(keep.shape[0] + 1, dtype=torch.int64)
+    offsets[1:] = keep.sum(1).cumsum(0)
+    packed = {name: tensor for name, tensor in rows.items() if name != "last_hidden"}
+    return {**packed, PACKED: rows["last_hidden"][keep], OFFSETS: offsets}
+
+
+# ---------------------------------------------------------------- writing
+
+
+@dataclass
+class StoredFeatures:
+    """What the shards written so far cost."""
+
+    shards: int = 0
+    positions: int = 0  # rows x max_length: rows are stored padded
+    state_bytes: int = 0  # aux and final hidden states as written
+    final_states: int = 0  # positions whose final state is stored
+    bytes: int = 0  # the shard files, token ids, masks and headers included
+
+    def metrics(self) -> dict[str, float | int]:
+        return {"shards": self.shards, "bytes": self.bytes,
+                "bytes_per_token": self.state_bytes / max(self.positions, 1),
+                "final_states_stored": self.final_states / max(self.positions, 1)}
+
+
+def state_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class ShardWriter:
+    """Rows in, in batches of any size; shards of exactly `rows_per_shard` rows out (the last may hold fewer)."""
+
+    def __init__(self, folder: Path, rows_per_shard: int, last_hidden: LastHidden | str = LastHidden.all):
+        self.folder, self.rows_per_shard, self.last_hidden = Path(folder), rows_per_shard, LastHidden(last_hidden)
+        self.pending: list[dict[str, torch.Tensor]] = []
+        self.stored = StoredFeatures()
+
+    def pending_rows(self) -> int:
+        return sum(rows["input_ids"].shape[0] for rows in self.pending)
+
+    def add(self, rows: dict[str, torch.Tensor]) -> None:
+        self.pending.append(rows)
+        while self.pending_rows() >= self.rows_per_shard:
+            self.flush(self.rows_per_shard)
+
+    def close(self) -> StoredFeatures:
+        if self.pending_rows():
+            self.flush(self.pending_rows())
+        return self.stored
+
+    def flush(self, count: int) -> None:
+        merged = {name: torch.cat([rows[name] for rows in self.pending]) for name in self.pending[0]}
+        rest = {name: tensor[count:].clone() for name, tensor in merged.items()}
+        self.pending = [rest] if rest["input_ids"].shape[0] else []
+        shard = pack_final_states({name: tensor[:count] for name, tensor in merged.items()}, self.last_hidden)
+        path = shard_path(self.folder, self.stored.shards)
+        write_shard(path, shard)
+        final = shard.get("last_hidden", shard.get(PACKED))
+        self.stored.shards += 1
+        self.stored.positions += shard["input_ids"].numel()
+        self.stored.state_bytes += state_bytes(shard["aux_hidden"]) + state_bytes(final)
+        self.stored.final_states += final.numel() // final.shape[-1]
+        self.stored.bytes += path.stat().st_size
+
+
+# ---------------------------------------------------------------- reading: row sources
+
+
+class Rows(Protocol):
+    """What a fine-tune reads its data through: a row count, and the rows at some indices as [len(indices), ...]."""
+
+    def __len__(self) -> int: ...
+
+    def take(self, indices: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+
+class TensorRows:
+    """Rows held in memory (online: tokenized chats, a few bytes per token)."""
+
+    def __init__(self, data: dict[str, torch.Tensor]):
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.data["input_ids"].shape[0]
+
+    def take(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: tensor[indices] for name, tensor in self.data.items()}
+
+
+class RowSubset:
+    """The rows of `source` at `indices`, in that order (a split of a data set, without a copy of it)."""
+
+    def __init__(self, source: Rows, indices: torch.Tensor):
+        self.source, self.indices = source, indices
+
+    def __len__(self) -> int:
+        return self.indices.numel()
+
+    def take(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.source.take(self.indices[indices])
+
+
+def as_rows(data: Rows | dict[str, torch.Tensor]) -> Rows:
+    return TensorRows(data) if isinstance(data, dict) else data
+
+
+@dataclass(frozen=True)
+class Column:
+    """One tensor as every shard stores it: dtype and the shape of one row (a packed state is one row of H)."""
+
+    name: str
+    dtype: torch.dtype
+    row_shape: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return numel(self.row_shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+
+
+class FeatureRows:
+    """The rows of a features stage output, read from its shards a `take` at a time (see the module docstring).
+
+    Per shard it keeps only its path, row count and each tensor's byte offset, so what it holds grows by a few
+    hundred bytes a shard; a take opens each shard it touches once, reads its rows into fresh buffers and closes it.
+    """
+
+    def __init__(self, paths: list[str], sizes: list[int], offsets: torch.Tensor, columns: list[Column],
+                 last_hidden: LastHidden):
+        self.paths, self.offsets, self.last_hidden = paths, offsets, last_hidden  # offsets: [S, len(columns)]
+        self.columns = {column.name: index for index, column in enumerate(columns)}
+        self.layout = columns
+        self.starts = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)  # shard s: rows starts[s]:starts[s+1]
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def column(self, name: str) -> Column:
+        return self.layout[self.columns[name]]
+
+    def take(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows at `indices`, in that order; each shard touched is opened once."""
+        indices = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        shard_of = torch.searchsorted(self.starts, indices, right=True) - 1
+        local = indices - self.starts[shard_of]
+        final = self.column("last_hidden" if self.last_hidden is LastHidden.all else PACKED)
+        out = {name: torch.empty((indices.numel(), *self.column(name).row_shape), dtype=self.column(name).dtype)
+               for name in ROW_TENSORS}
+        out["last_hidden"] = torch.zeros((*out["loss_mask"].shape, final.row_shape[-1]), dtype=final.dtype)
+        by_shard: dict[int, list[tuple[int, int]]] = {}
+        for position, (shard, row) in enumerate(zip(shard_of.tolist(), local.tolist())):
+            by_shard.setdefault(shard, []).append((position, row))
+        for shard, picks in by_shard.items():
+            fd = os.open(self.paths[shard], os.O_RDONLY)
+            try:
+                for position, row in picks:
+                    self.read_row(fd, shard, row, {name: tensor[position] for name, tensor in out.items()})
+            finally:
+                os.close(fd)
+        return out
+
+    def read_row(self, fd: int, shard: int, row: int, out: dict[str, torch.Tensor]) -> None:
+        for name in ROW_TENSORS + (("last_hidden",) if self.last_hidden is LastHidden.all else ()):
+            self.read(fd, shard, name, row, out[name])
+        if self.last_hidden is LastHidden.loss_masked:
+            self.unpack(fd, shard, row, out["loss_mask"], out["last_hidden"])
+
+    def read(self, fd: int, shard: int, name: str, row: int, out: torch.Tensor) -> None:
+        """Rows row.. of one tensor of a shard, as many as `out` holds."""
+        offset = int(self.offsets[shard, self.columns[name]]) + row * self.column(name).row_bytes
+        pread_exact(fd, byte_view(out), offset, self.paths[shard], "the shard is truncated: rebuild the features")
+
+    def unpack(self, fd: int, shard: int, row: int, loss_mask: torch.Tensor, out: torch.Tensor) -> None:
+        """A row's packed final states into `out` [L, H] (zeros) where `final_state_positions` kept them."""
+        bounds = torch.empty(2, dtype=torch.int64)
+        self.read(fd, shard, OFFSETS, row, bounds)
+        keep = final_state_positions(loss_mask[None])[0]
+        if int(keep.sum()) != int(bounds[1] - bounds[0]):
+            raise RegraftError(self.paths[shard], "packed final states do not match the loss mask",
+                               "rebuild the features (python -m stages.features)")
+        states = torch.empty((int(bounds[1] - bounds[0]), out.shape[-1]), dtype=out.dtype)
+        self.read(fd, shard, PACKED, int(bounds[0]), states)
+        out[keep] = states
+
+
+def shard_columns(header: dict[str, StoredTensor], last_hidden: LastHidden) -> list[Column]:
+    """The columns a shard holds, in the layout `last_hidden` names (the packed ones by their row shapes)."""
+    names = list(ROW_TENSORS) + (["last_hidden"] if last_hidden is LastHidden.all else [PACKED, OFFSETS])
+    shard = next(iter(header.values())).path if header else "?"
+    if set(header) != set(names):
+        raise RegraftError(shard, f"holds {sorted(header)}, a last_hidden={last_hidden.value} shard holds "
+                           f"{sorted(names)}", "rebuild the features (python -m stages.features)")
+    return [Column(name, header[name].dtype, header[name].shape[1:]) for name in names]
+
+
+def open_features(path: str | Path, aux_layer_ids: list[int], max_length: int) -> FeatureRows:
+    """The cached rows as a row source, checked against what the training expects (aux layers, max_length) and
+    against each other (every shard the same tensors, dtypes and row shapes); nothing but headers is read."""
     manifest = read_manifest(path)
     if manifest is None or manifest.get("stage") != "features":
         raise RegraftError(path, "not a complete features stage output", "run python -m stages.features first")
@@ -34,5 +279,24 @@ def load_features(path: str | Path, aux_layer_ids: list[int], max_length: int) -
         raise RegraftError(path, f"cached for aux layers {manifest['aux_layer_ids']} and max_length "
                            f"{manifest['max_length']}, training wants {list(aux_layer_ids)} and {max_length}",
                            "rebuild the features for this drafter")
-    shards = [SafetensorsFiles.open_file(shard) for shard in sorted(Path(path).glob(SHARD_PATTERN))]
-    return {name: torch.cat([files.get(name) for files in shards]) for name in shards[0].names()}
+    last_hidden = LastHidden(manifest.get("last_hidden", LastHidden.all.value))
+    paths, sizes, offsets, layout = [], [], [], None
+    for shard in sorted(Path(path).glob(SHARD_PATTERN)):
+        header = read_header(shard)
+        columns = shard_columns(header, last_hidden)
+        layout = layout or columns
+        if columns != layout:
+            raise RegraftError(shard, "tensors of other dtypes or row shapes than the first shard's",
+                               "rebuild the features (python -m stages.features)")
+        paths.append(str(shard))
+        sizes.append(header["input_ids"].shape[0])
+        offsets.append([header[column.name].offset for column in columns])
+    if layout is None:
+        raise RegraftError(path, "holds no feature shards", "rebuild the features (python -m stages.features)")
+    return FeatureRows(paths, sizes, torch.tensor(offsets, dtype=torch.int64), layout, last_hidden)
+
+
+def load_features(path: str | Path, aux_layer_ids: list[int], max_length: int) -> dict[str, torch.Tensor]:
+    """Every cached row in memory, checked (benchmarks and small sets; the finetune streams with `open_features`)."""
+    rows = open_features(path, aux_layer_ids, max_length)
+    return rows.take(torch.arange(len(rows)))

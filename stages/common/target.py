@@ -197,3 +197,36 @@ class TargetHead:
             return TargetFeatures(aux_hidden=aux, logits=last @ self.lm_head.T, last_hidden=last)
         return TargetFeatures(aux_hidden=aux, last_hidden=last,
                               signals=TargetSignals.from_hidden(last, self.lm_head, draft_ids))
+
+
+class FinalNorm:
+    """The target's final RMSNorm, read from its folder: an engine hands out the state after the last layer, the
+    shards store it normed (logits = lm_head(last_hidden)), as the hf path's `last_hidden` is."""
+
+    NAMES = ("model.norm.weight", "model.language_model.norm.weight", "norm.weight")
+
+    def __init__(self, weight: torch.Tensor, eps: float, num_layers: int):
+        self.weight, self.eps, self.num_layers = weight.float(), eps, num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[0]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FinalNorm":
+        import json
+
+        from stages.common.verifier import Verifier
+
+        config = json.loads((Path(path) / "config.json").read_text())
+        config = config.get("text_config", config)
+        files = Verifier.open(path).files
+        name = next((name for name in cls.NAMES if name in files), None)
+        if name is None:
+            raise RegraftError(path, f"no final norm weight ({', '.join(cls.NAMES)})",
+                               "give a Llama-style target folder, or features.backend=hf")
+        return cls(files.get(name), config.get("rms_norm_eps", 1e-6), config["num_hidden_layers"])
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        states = states.float()
+        return states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight

@@ -254,14 +254,19 @@ def _pread_into(path: Path, reads: list[tuple[int, memoryview]]) -> None:
             for offset, buffer in reads:
                 os.posix_fadvise(fd, offset, buffer.nbytes, os.POSIX_FADV_WILLNEED)
         for offset, buffer in reads:
-            done = 0
-            while done < buffer.nbytes:
-                got = os.preadv(fd, [buffer[done:]], offset + done)
-                if got == 0:
-                    raise RegraftError(path, "ended before the tensor's last byte", "the file is truncated")
-                done += got
+            pread_exact(fd, buffer, offset, path, "the file is truncated")
     finally:
         os.close(fd)
+
+
+def pread_exact(fd: int, buffer: memoryview, offset: int, path: str | Path, fix: str) -> None:
+    """Fill `buffer` from `offset` of an open file (short reads retried); a file that ends first is an error."""
+    done = 0
+    while done < buffer.nbytes:
+        got = os.preadv(fd, [buffer[done:]], offset + done)
+        if got == 0:
+            raise RegraftError(path, "ended before the last byte asked for", fix)
+        done += got
 
 
 def consecutive_runs(sorted_ids: torch.Tensor) -> list[torch.Tensor]:

@@ -1,6 +1,8 @@
 """finetune stage: EAGLE-3 training-time-test training of a drafter on a new target, on DeepSpeed.
 
-In: the target model folder, chat JSONL, the training vocab map, and the drafter to start from (`init`):
+In: the target model folder, chat JSONL (online: tokenized into memory) or a features stage output (offline:
+streamed from its shards a micro-batch at a time, so memory does not grow with the data), the training vocab map,
+and the drafter to start from (`init`):
 `remap` (the remap stage's output), `scratch` (a fresh layer; lm_head rows from the verifier) or `as_is` (a drafter
 trained on another map, used unchanged: the known way to waste a fine-tune, refused by the guard unless consented).
 Out: `drafter/` (the best drafter by validation loss, sglang layout, the training map's d2t/t2d), `metrics.jsonl`
@@ -30,7 +32,7 @@ from stages.common.drafter_config import (OUTPUT_OF_LAYER, check_drafter_fits_ta
                                           drafter_config_for, target_config)
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
-from stages.common.feature_shards import load_features
+from stages.common.feature_shards import Rows, TensorRows, open_features
 from stages.common.runtime import free_port
 from stages.common.stage import StageResult, register_schema, setting
 from stages.common.target import TargetHead, TargetModel
@@ -45,6 +47,7 @@ __all__ = ["FinetuneConfig", "Preempted", "check_ranks", "init_distributed", "ru
 
 class Init(str, Enum):
     remap = "remap"  # the remap stage's output: the source drafter with its lm_head rows on the training map
+    realign = "realign"  # diagnose's re-aligned drafter: remap, and fc (and embeddings) folded to read the new target
     scratch = "scratch"  # a fresh layer; lm_head rows from the verifier
     as_is = "as_is"  # a drafter trained on another map, unchanged: refused by the guard unless guard.consent=true
 
@@ -160,16 +163,18 @@ def initial_drafter(cfg: DictConfig, training_map: VocabMap) -> tuple[Eagle3Draf
     return drafter, own_map
 
 
-def training_rows(cfg: DictConfig, drafter: Eagle3Drafter) -> tuple[TargetModel | TargetHead, dict]:
-    """Online: the whole target and tokenized chats. Offline: the target's embeddings and lm_head only, and the
-    cached rows (the same chats in the same order, so both modes see the same batches)."""
+def training_rows(cfg: DictConfig, drafter: Eagle3Drafter) -> tuple[TargetModel | TargetHead, Rows]:
+    """Online: the whole target and tokenized chats, in memory. Offline: the target's embeddings and lm_head only,
+    and the cached rows streamed from their shards a batch at a time (the same chats in the same order, so both
+    modes see the same batches)."""
     layer_ids = convert_aux_layer_ids(drafter.config.aux_layer_ids, drafter.config.aux_convention, OUTPUT_OF_LAYER)
     if cfg.features:
-        return TargetHead(cfg.target), load_features(cfg.features, layer_ids, cfg.max_length)
+        return TargetHead(cfg.target), open_features(cfg.features, layer_ids, cfg.max_length)
     if not cfg.data:
         raise RegraftError(None, "finetune needs training data", "pass data=CHATS.jsonl (online) or features=DIR")
     rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
-    return TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, trust_remote_code=cfg.trust_remote_code), rows
+    return (TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, trust_remote_code=cfg.trust_remote_code),
+            TensorRows(rows))
 
 
 # ---------------------------------------------------------------- DeepSpeed

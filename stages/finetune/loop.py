@@ -2,7 +2,9 @@
 
 `train` runs optimizer steps until the schedule ends, validating every epoch and keeping the best state by
 validation loss; it checkpoints every `checkpoint_every` steps (and when SIGTERM/SIGUSR1 ask it to stop), and a run
-with `resume` continues from the latest checkpoint to the same weights as an uninterrupted one.
+with `resume` continues from the latest checkpoint to the same weights as an uninterrupted one. Data comes through
+a row source (`stages.common.feature_shards.Rows`: chats in memory, or cached features streamed from disk), one
+micro-batch at a time; both give the same seeded split and batches.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tqdm import tqdm
 
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
+from stages.common.feature_shards import Rows, RowSubset, as_rows
 from stages.common.target import TargetHead, TargetModel
 from stages.common.ttt import LossMask, TTTStats, draft_vocab_ids, ttt_forward, ttt_metrics
 
@@ -61,24 +64,24 @@ def deepspeed_config(cfg: DictConfig, total_steps: int) -> dict:
 # ---------------------------------------------------------------- data
 
 
-def split(data: dict[str, torch.Tensor], val_fraction: float, seed: int) -> tuple[dict, dict]:
-    count = data["input_ids"].shape[0]
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
-    val_count = max(1, int(round(val_fraction * count))) if val_fraction > 0 else 0
-    pick = lambda rows: {name: tensor[rows] for name, tensor in data.items()}
-    return pick(order[val_count:]), pick(order[:val_count])
+def split(data: Rows | dict[str, torch.Tensor], val_fraction: float, seed: int) -> tuple[Rows, Rows]:
+    """A seeded train/validation split, as views of the rows (nothing is read)."""
+    rows = as_rows(data)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+    val_count = max(1, int(round(val_fraction * len(rows)))) if val_fraction > 0 else 0
+    return RowSubset(rows, order[val_count:]), RowSubset(rows, order[:val_count])
 
 
-def micro_batches(data: dict[str, torch.Tensor], size: int, epoch: int, seed: int, rank: int, world: int,
+def micro_batches(data: Rows | dict[str, torch.Tensor], size: int, epoch: int, seed: int, rank: int, world: int,
                   skip: int = 0, accumulation: int = 1) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's micro-batches of one epoch: a seeded shuffle, strided over ranks, whole global batches only
-    (so no accumulated gradient spills into the next epoch)."""
-    count = data["input_ids"].shape[0]
+    (so no accumulated gradient spills into the next epoch); each is read when it is asked for."""
+    rows = as_rows(data)
+    count = len(rows)
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
     per_step = size * world
     for index in range(skip, count // (per_step * accumulation) * accumulation):
-        rows = order[index * per_step + rank * size: index * per_step + (rank + 1) * size]
-        yield {name: tensor[rows] for name, tensor in data.items()}
+        yield rows.take(order[index * per_step + rank * size: index * per_step + (rank + 1) * size])
 
 
 # ---------------------------------------------------------------- the loop
@@ -110,9 +113,9 @@ class MetricsLog:
                 lines.write(json.dumps({"step": step, "split": split_name, **metrics}) + "\n")
 
 
-def validate(drafter: Eagle3Drafter, target: TargetModel, val: dict[str, torch.Tensor], cfg: DictConfig) -> dict:
+def validate(drafter: Eagle3Drafter, target: TargetModel, val: Rows, cfg: DictConfig) -> dict:
     """TTT metrics over the whole validation split, from summed counts; `loss` is the decay-weighted total."""
-    size = min(cfg.micro_batch_size, val["input_ids"].shape[0])
+    size = min(cfg.micro_batch_size, len(val))
     sums, batches = None, 0
     with torch.no_grad():
         for batch in micro_batches(val, size, 0, cfg.seed, 0, 1):
@@ -162,13 +165,13 @@ class Progress:
     logged: Optional[int] = None  # lines of metrics.jsonl when the checkpoint was saved (rank 0's)
 
 
-def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_data: dict, val_data: dict,
+def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_data: Rows, val_data: Rows,
           work: Path, log: MetricsLog, progress: Progress) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     import deepspeed
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     accumulation = cfg.deepspeed.gradient_accumulation_steps
-    per_epoch = train_data["input_ids"].shape[0] // (cfg.micro_batch_size * world) // accumulation
+    per_epoch = len(train_data) // (cfg.micro_batch_size * world) // accumulation
     if per_epoch == 0:
         raise RegraftError(cfg.data, "fewer conversations than one global batch", "lower micro_batch_size or add data")
     scheduled = per_epoch * cfg.epochs
@@ -230,7 +233,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                 break
         else:
             progress.epoch, progress.batch = progress.epoch + 1, 0
-        val = validate(engine.module, target, val_data, cfg) if val_data["input_ids"].numel() else {}
+        val = validate(engine.module, target, val_data, cfg) if len(val_data) else {}
         if val:
             log.write(progress.step, "val", val)
         if not val or val["loss"] < progress.best_val_loss:

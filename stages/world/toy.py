@@ -256,3 +256,45 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
         tokenizer.padding_side = side
     out.distinct_ids = len(seen)
     return out
+
+
+def rotate_residual_stream(model, dose: float = 1.0, seed: int = 0) -> torch.Tensor:
+    """Rotate a Llama's residual stream by an orthogonal Q without changing its function (SliceGPT, QuaRot): each
+    RMSNorm's weight is folded into the linear layers that read it (a unit-weight RMSNorm commutes with rotations),
+    then readers take W Q and writers Q^T W. Every hidden state becomes h Q, the logits stay the same (to rounding).
+    `dose` in [0, 1] scales the rotation's angles (Q = exp(dose x S) for a random skew-symmetric S): a drift knob
+    for a drafter trained on the unrotated states. Returns Q."""
+    if model.config.tie_word_embeddings:
+        raise ValueError("a tied lm_head would rotate twice; untie it first")
+    hidden = model.config.hidden_size
+    generator = torch.Generator().manual_seed(seed)
+    skew = torch.randn(hidden, hidden, generator=generator, dtype=torch.float64)
+    q = torch.linalg.matrix_exp(dose * torch.pi * (skew - skew.T) / (2 * hidden ** 0.5))
+    q, _ = torch.linalg.qr(q)  # orthogonal to float64 rounding
+    base = model.model
+
+    def fold(norm, readers) -> None:
+        for linear in readers:
+            linear.weight.mul_(norm.weight.to(linear.weight.dtype)[None, :])
+        norm.weight.fill_(1.0)
+
+    def read(linear) -> None:  # y = x W^T; x -> x Q
+        linear.weight.copy_((linear.weight.double() @ q).to(linear.weight.dtype))
+
+    def write(linear) -> None:  # adds y to the stream; y -> y Q
+        linear.weight.copy_((q.T @ linear.weight.double()).to(linear.weight.dtype))
+
+    with torch.no_grad():
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            fold(layer.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj))
+            fold(layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                read(linear)
+            write(attn.o_proj)
+            write(mlp.down_proj)
+        fold(base.norm, (model.lm_head,))
+        read(model.lm_head)
+        embed = base.embed_tokens.weight
+        embed.copy_((embed.double() @ q).to(embed.dtype))
+    return q
