@@ -40,7 +40,7 @@ class Node:
 
     @property
     def phase(self) -> str:
-        return PHASES[self.name]
+        return PHASES.get(self.name, "race")  # a race's rung nodes are named by their candidates
 
     @property
     def upstream(self) -> list[str]:
@@ -158,8 +158,9 @@ def without_unused_setup(nodes: list[Node]) -> list[Node]:
         nodes = kept
 
 
-def check_graph(nodes: list[Node]) -> None:
-    seen: set[str] = set()
+def check_graph(nodes: list[Node], done: set[str] | None = None) -> None:
+    """Every reference names an earlier node (or one in `done`, run before)."""
+    seen: set[str] = set(done or ())
     for node in nodes:
         for upstream in node.upstream:
             if upstream not in seen:

@@ -34,7 +34,8 @@ from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
 from pipelines.cache import keys_for
-from pipelines.dag import build_nodes
+from pipelines.dag import Node, build_nodes, wired
+from pipelines.race import race_summary, race_table, run_race
 from pipelines.jobs import StageFailed
 from pipelines.launchers import make_launcher
 from pipelines.preflight import check_before_any_work
@@ -93,19 +94,41 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
             # named by the overrides its sweep varies (`lr=1e-3 init=remap`), else its own or `defaults`
             tracker = Tracker(cfg.tracking, hydra_invocation(overrides),
                               tags={"overrides": " ".join(overrides) or "(defaults)", "run_dir": str(run_dir)})
-        results = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
-                          cfg.launcher.max_parallel, keys)
+        if cfg.pipeline.race:
+            results, race = race_then_evaluate(cfg, launcher, tracker, console)
+        else:
+            results, race = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
+                                    cfg.launcher.max_parallel, keys), None
     except BaseException as exc:
         if tracker is not None:
             tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", {}, {}, [])
         raise
     summary = write_summary(run_dir, results, OmegaConf.to_container(cfg, resolve=True), overrides,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, race=race)
     plots = plot(summary["stages"], run_dir)
     if tracker is not None:
         params = dict(override.split("=", 1) for override in overrides if "=" in override)
         tracker.finish("FINISHED", params, summary["numbers"], [run_dir / "summary.json", *plots], summary)
     return PipelineResult(results, summary, plots, tracker.ui_command() if tracker else None)
+
+
+def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> tuple[dict[str, NodeResult], dict]:
+    """pipeline.race: the rungs (pipelines/race.py), each a run of cached nodes; then the winner evaluated as phase 1."""
+    every: list = []
+
+    def run_rungs(nodes: list, done: dict[str, NodeResult]) -> dict[str, NodeResult]:
+        every.extend(nodes)
+        return run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
+                       cfg.launcher.max_parallel, keys_for(every), done)
+
+    nodes, results, outcome = run_race(cfg, run_rungs)
+    if cfg.pipeline.evaluate:
+        evaluate = Node("evaluate", "probe", wired(cfg.probe, target=cfg.target.path, drafter=outcome.winner_result.out))
+        results.update(run_rungs([evaluate], results))
+    console.print(race_table(outcome))
+    summary = race_summary(outcome, cfg.race.budget_steps)
+    console.print(f"race: {summary['decision']}", highlight=False, soft_wrap=True)
+    return results, summary
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

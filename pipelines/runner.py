@@ -99,12 +99,15 @@ def pending(nodes: list[Node], keys: dict[str, str], cache_root: Path) -> list[N
 
 def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tracker | None,
             console: Console, poll_s: float = 0.2, max_parallel: int | None = None,
-            keys: dict[str, str] | None = None) -> dict[str, NodeResult]:
-    """`keys`: the nodes' cache keys when the caller has them already (keys_for)."""
-    check_graph(nodes)
+            keys: dict[str, str] | None = None, done: dict[str, NodeResult] | None = None) -> dict[str, NodeResult]:
+    """`keys`: the nodes' cache keys when the caller has them already (keys_for). `done`: results of nodes run
+    before (a race's earlier rungs) that these may read; they are neither run nor tracked again."""
+    done = done or {}
+    check_graph(nodes, set(done))
     keys = keys or keys_for(nodes)
     outputs = {node.name: output_dir(cache_root, node.stage, keys[node.name]) for node in nodes}
-    results: dict[str, NodeResult] = {}
+    outputs.update({name: Path(result.out) for name, result in done.items()})
+    results: dict[str, NodeResult] = dict(done)
     running: dict[str, Running] = {}
     waiting = list(nodes)
 

@@ -97,7 +97,19 @@ class PipelineSwitches:
     offline: bool = True  # features once, then fine-tunes read them (false: the target runs in every step)
     baseline: bool = True  # a from-scratch fine-tune + evaluate beside the remapped one
     diagnose: bool = True  # how far the target moved for the drafter (needs source.target for the drift numbers)
+    race: bool = False  # race.inits x race.lrs under one budget instead of one fine-tune (pipelines/race.py)
     evaluate: bool = True  # phase 1: the fine-tuned drafters, measured as the probe measures
+
+
+@dataclass
+class RaceConfig:
+    """pipeline.race: the candidates and the budget of pipelines/race.py (successive halving by val loss)."""
+
+    inits: list[str] = field(default_factory=lambda: ["remap", "realign", "scratch"])
+    lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3])
+    budget_steps: int = setting(48, at_least=1)  # the full budget: optimizer steps of one candidate run to the end
+    eta: int = setting(2, at_least=2)  # keep the best 1/eta at every rung
+    rungs: int = setting(3, at_least=1)  # rung count, the last one at the full budget
 
 
 @dataclass
@@ -126,6 +138,7 @@ class RegraftConfig:
     launcher: LauncherConfig = MISSING
     tracking: TrackingConfig = MISSING
     pipeline: PipelineSwitches = field(default_factory=PipelineSwitches)
+    race: RaceConfig = field(default_factory=RaceConfig)
     paths: Paths = field(default_factory=Paths)
 
 

@@ -61,6 +61,8 @@ def headline_numbers(results: dict[str, dict]) -> dict[str, Any]:
             if value is not None), None)
         numbers[f"preflight/{name}/phase1"] = metric("finetune", f"preflight_{name}")
         numbers[f"preflight/{name}/scratch"] = metric("baseline_finetune", f"preflight_{name}")
+    for key in ("transfer_gap", "cka_mean", "step0_loss_remap", "step0_loss_realign"):  # did the target move?
+        numbers[f"diagnose/{key}"] = metric("diagnose", key)
     numbers["val/full_acc_0/phase1"] = metric("finetune", "val_full_acc_0")
     numbers["val/full_acc_0/scratch"] = metric("baseline_finetune", "val_full_acc_0")
     phase1 = numbers["accept_len/phase1"]
@@ -130,7 +132,11 @@ LABELS = {"accept_len/phase0": "accept_len, phase 0 (source as it is)",
           "preflight/step0_acc/phase1": "step-0 acc, fine-tune init",
           "preflight/step0_acc/scratch": "step-0 acc, from scratch",
           "val/full_acc_0/phase1": "val acc (step 0) after fine-tune",
-          "val/full_acc_0/scratch": "val acc (step 0) after scratch"}
+          "val/full_acc_0/scratch": "val acc (step 0) after scratch",
+          "diagnose/cka_mean": "CKA(old target, new), aux layers",
+          "diagnose/transfer_gap": "transfer gap: step-0 loss from features",
+          "diagnose/step0_loss_realign": "step-0 loss, re-aligned drafter",
+          "race/compute_share": "race: share of all-to-the-end compute"}
 
 
 def story_table(numbers: dict[str, Any], title: str = "regraft: phase 0 vs phase 1", caption: str | None = None
@@ -213,12 +219,16 @@ def plot(results: dict[str, dict], run_dir: Path) -> list[Path]:
 
 
 def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, overrides: list[str],
-                  wall_seconds: float) -> dict:
+                  wall_seconds: float, race: dict | None = None) -> dict:
     stages = {name: {**asdict(result), "overhead_seconds": round(result.overhead_seconds, 3)}
               for name, result in results.items()}
     summary = {"overrides": overrides, "wall_seconds": round(wall_seconds, 2), "numbers": headline_numbers(stages),
                "one_computation": one_computation(stages), "phase1_is_scratch": phase1_is_scratch(stages),
                "stages": stages, "config": config}
+    if race is not None:  # pipeline.race: the decision and its rung table; phase 1 is the winner's evaluate
+        summary["race"] = race
+        summary["numbers"].update({"race/compute_share": race["compute_share"],
+                                   "race/steps_spent": race["steps_spent"]})
     write_json_atomic(run_dir / "summary.json", summary)
     return summary
 

@@ -93,7 +93,8 @@ class ProbeConfig:
 def check_probe(cfg: DictConfig, where: str) -> None:
     prefix = f"{where}." if where else ""
     if Backend(cfg.backend) is not Backend.sglang and cfg.topk != 1:
-        raise RegraftError(f"{prefix}topk={cfg.topk}", f"the {cfg.backend} backend drafts a chain (topk 1)",
+        raise RegraftError(f"{prefix}topk={cfg.topk}",
+                           f"the {Backend(cfg.backend).value} backend drafts a chain (topk 1)",
                            f"set {prefix}topk=1, or {prefix}backend=sglang")
     if not isinstance(getattr(torch, cfg.dtype, None), torch.dtype):
         raise RegraftError(f"{prefix}dtype={cfg.dtype}", "is not a torch dtype",

@@ -16,8 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["debug=tiny"]
-NODES = ["world", "source_map", "source_drafter", "probe", "vocab_map", "compare", "remap", "features", "finetune",
-         "evaluate", "baseline_finetune", "baseline_evaluate"]
+NODES = ["world", "source_map", "source_drafter", "probe", "vocab_map", "compare", "remap", "diagnose", "features",
+         "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"]
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +135,7 @@ def test_a_second_run_runs_nothing_yet_tracks_every_stage(first_run, outputs):
 def test_a_changed_option_reruns_exactly_the_stages_downstream(first_run, outputs):
     done = regraft(outputs, "remap.fallback=mean")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert ran(last_summary(outputs)) == {"remap", "finetune", "evaluate"}
+    assert ran(last_summary(outputs)) == {"remap", "diagnose", "finetune", "evaluate"}
 
 
 def test_a_sweep_runs_shared_stages_once(first_run, outputs):

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny world and tiny stages; every fine-tune here uses gradient accumulation 2 unless a test says otherwise
 BASE = ["debug=tiny", "finetune.max_steps=6", "probe.num_prompts=3", "probe.max_new_tokens=16", "pipeline.probe=false",
-        "pipeline.baseline=false", "finetune.deepspeed.gradient_accumulation_steps=2"]
+        "pipeline.baseline=false", "pipeline.diagnose=false", "finetune.deepspeed.gradient_accumulation_steps=2"]
 SWEEP_LRS = ("3e-3", "1e-2")
 
 

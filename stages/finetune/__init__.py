@@ -97,6 +97,9 @@ class FinetuneConfig:
     lr: float = setting(1e-4, above=0)
     epochs: int = setting(1, at_least=1)
     max_steps: Optional[int] = setting(None, at_least=1)  # stop after this many optimizer steps
+    # end this run at this step with the schedule still max_steps long (a race's rung): checkpoint, validate,
+    # export the weights as they are; a later run with a larger stop_at resumes from it as if never stopped
+    stop_at: Optional[int] = setting(None, at_least=1)
     micro_batch_size: int = setting(4, at_least=1)
     max_length: int = setting(256, at_least=4)
     val_fraction: float = setting(0.05, at_least=0, below=1)

@@ -205,9 +205,13 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             os.replace(checkpoints / "latest.tmp", checkpoints / "latest")
             prune_checkpoints(checkpoints, cfg.keep_checkpoints)
 
-    bar = tqdm(total=total_steps, initial=progress.step, desc="finetune", disable=rank != 0, mininterval=1.0)
+    end = total_steps if cfg.stop_at is None else min(cfg.stop_at, total_steps)
+    if progress.step > end:
+        raise RegraftError(checkpoints, f"the checkpoint is at step {progress.step}, past stop_at={end}",
+                           "give this run its own checkpoint_dir, or a later stop_at")
+    bar = tqdm(total=end, initial=progress.step, desc="finetune", disable=rank != 0, mininterval=1.0)
     started, tokens = time.perf_counter(), 0
-    while progress.step < total_steps and progress.epoch < cfg.epochs:
+    while progress.step < end and progress.epoch < cfg.epochs:
         for batch in micro_batches(train_data, cfg.micro_batch_size, progress.epoch, cfg.seed, rank, world,
                                    skip=progress.batch, accumulation=accumulation):
             stats = run_ttt(engine.module, target, batch, cfg.ttt_steps, cfg.loss_mask)
@@ -229,10 +233,12 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             if stopping:
                 raise Preempted(checkpoints, f"stopped by a signal at step {progress.step} of {total_steps}; "
                                 "checkpoint saved", "rerun the same command to resume (resume=true)")
-            if progress.step >= total_steps:
+            if progress.step >= end:
                 break
         else:
             progress.epoch, progress.batch = progress.epoch + 1, 0
+        if progress.step >= end and end < total_steps:
+            return rung_stop(cfg, engine, target, val_data, save_checkpoint, bar)
         val = validate(engine.module, target, val_data, cfg) if len(val_data) else {}
         if val:
             log.write(progress.step, "val", val)
@@ -248,12 +254,23 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
     return best["state"], best["val"]
 
 
+def rung_stop(cfg: DictConfig, engine, target: TargetModel, val_data: Rows, save_checkpoint,
+              bar) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """`stop_at` reached before the schedule's end (a race's rung): a checkpoint the next rung resumes from, taken
+    before this validation, so neither the log nor the best state a continued run keeps ever sees it (it runs on
+    exactly as an uninterrupted one); the weights as they are now and their validation."""
+    save_checkpoint()
+    bar.close()
+    return snapshot(engine.module), validate(engine.module, target, val_data, cfg) if len(val_data) else {}
+
+
 def optimizer_step(engine, scheduler) -> tuple[float, float | None]:
     """`engine.step()`, and what that optimizer step used: its learning rate (read before the scheduler moves on)
     and the global gradient norm clipping saw, before clipping, at every ZeRO stage: DeepSpeed reports it where its
     own optimizer wrapper computes it (ZeRO 1-3, bf16), and under ZeRO-0 fp32 it clips the gradients on the
     parameters, whose norm is taken here first. Both are None-free only at an accumulation boundary."""
-    lr = scheduler.get_last_lr()[0]
+    # the optimizer's own rate: the scheduler's `get_last_lr` is not restored with a checkpoint (0 after a resume)
+    lr = engine.optimizer.param_groups[0]["lr"]
     local = None
     if engine.is_gradient_accumulation_boundary():
         grads = [param.grad for param in engine.module.parameters() if param.grad is not None]

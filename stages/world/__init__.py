@@ -30,7 +30,8 @@ from stages.common.errors import RegraftError
 from stages.common.runtime import torch_threads
 from stages.common.stage import StageResult, register_schema, setting
 from stages.world.corpus import Docstring, as_conversation, file_docstrings, stdlib_source_files, write_jsonl
-from stages.world.toy import assistant_loss, fit_causal_lm, generate_answers, pack_chats, tiny_llama, train_tokenizer
+from stages.world.toy import (assistant_loss, fit_causal_lm, generate_answers, pack_chats, rotate_residual_stream,
+                              tiny_llama, train_tokenizer)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class WorldConfig:
     lr: float = setting(3e-3, above=0)  # AdamW peak lr for both targets (warmup, cosine to lr/10)
     steps_a: int = setting(200, at_least=1)  # target A's training steps on domain A (about 0.8 epochs)
     steps_b: int = setting(100, at_least=1)  # target B = target A trained this many more steps on domain B
+    # the drifted world: B's residual stream rotated by exp(rotate_b x S) (0: none, 1: a full random rotation); its
+    # answers stay the same, the states a drafter trained on A reads move (stages/world/toy.py)
+    rotate_b: float = setting(0.0, at_least=0, at_most=1)
     regen_prompts: int = setting(512, at_least=1)  # domain-B prompts whose answers target B regenerates into data_b.jsonl
     # sampled, as SpecForge documents its regeneration; 0: greedy, which on a target this small loops on ~30
     # distinct ids (a degenerate draft vocab for B)
@@ -168,6 +172,8 @@ def build(cfg: DictConfig) -> StageResult:
             model_b = copy.deepcopy(model_a)
             metrics["target_b_train_loss"] = train_target(model_b, tokenizer, domains.train_b, cfg, cfg.steps_b,
                                                           cfg.seed + 1, "target_b")
+            if cfg.rotate_b > 0:  # B's function unchanged, its every hidden state h Q: drift the drafter sees
+                rotate_residual_stream(model_b, dose=cfg.rotate_b, seed=cfg.seed + 2)
             model_b.save_pretrained(root / "target_b")
             tokenizer.save_pretrained(root / "target_b")
         with phase("eval"):
