@@ -32,7 +32,6 @@ minutes on 2 cores (`--quick`: about 2). vLLM's CPU attention needs head_dim >= 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -41,8 +40,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -56,11 +53,9 @@ from rich.table import Table  # noqa: E402
 from stages import features, finetune, probe, vocab_map  # noqa: E402
 from stages import world as world_stage  # noqa: E402
 from stages.common import spec_decode  # noqa: E402
-from stages.common.eagle3 import Eagle3Drafter  # noqa: E402
 from stages.common.runtime import torch_threads  # noqa: E402
 from stages.common.stage import compose_stage  # noqa: E402
-from stages.common.target import TargetModel  # noqa: E402
-from stages.common.vllm_engine import VllmEngine, engine_available  # noqa: E402
+from stages.common.vllm_engine import engine_available  # noqa: E402
 
 DRAFT_VOCAB, DRAFTER_STEPS = 1024, 60  # the built-in source drafter's (pipelines/schema.py SourceBuild)
 
@@ -97,53 +92,7 @@ def first_lines(source: Path, count: int, out: Path) -> Path:
     return out
 
 
-# ---------------------------------------------------------------- timing hooks (the stages are not changed)
-
-
-@contextlib.contextmanager
-def timed_classmethod(cls, name: str, seconds: list[float]) -> Iterator[None]:
-    """Every call of `cls.name` (a classmethod) appends its seconds to `seconds` inside the block."""
-    original = cls.__dict__[name]
-
-    def timed(klass, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original.__func__(klass, *args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - start)
-
-    setattr(cls, name, classmethod(timed))
-    try:
-        yield
-    finally:
-        setattr(cls, name, original)
-
-
-class RecordedEngine(VllmEngine):
-    """The stage's VllmEngine, kept in `engines` so that its import and start-up seconds can be read after."""
-
-    engines: list[VllmEngine] = []
-
-    def __enter__(self) -> "RecordedEngine":
-        RecordedEngine.engines.append(self)
-        return super().__enter__()
-
-
-@contextlib.contextmanager
-def timed_batches(name: str, marks: list[tuple[float, int]]) -> Iterator[None]:
-    """features' producer `name` wrapped: (time, real tokens) as each batch comes out of the target."""
-    original = getattr(features, name)
-
-    def produce(*args):
-        for batch, aux, last in original(*args):
-            marks.append((time.perf_counter(), int(batch["attention_mask"].sum())))
-            yield batch, aux, last
-
-    setattr(features, name, produce)
-    try:
-        yield
-    finally:
-        setattr(features, name, original)
+# ---------------------------------------------------------------- start-up the stages cannot see
 
 
 def architecture(target: Path) -> str:
@@ -163,39 +112,31 @@ def hf_import_seconds(module: str, target: Path) -> float:
 
 
 def measure_features(backend: str, world: Path, drafter: Path, data: Path, out: Path, threads: int) -> dict:
-    marks: list[tuple[float, int]] = []
-    loads: list[float] = []
-    RecordedEngine.engines = []
-    producer = "vllm_features" if backend == "vllm" else "hf_features"
     cfg = compose_stage("features", [f"target={world / 'target_b'}", f"data={data}", f"drafter={drafter}",
                                      f"out={out}", f"backend={backend}", f"vllm.threads={threads}"])
     start = time.perf_counter()
-    with timed_batches(producer, marks), timed_classmethod(TargetModel, "load", loads), torch_threads(threads), \
-            mock.patch.object(features, "VllmEngine", RecordedEngine):
-        result = features.run(cfg)
+    with torch_threads(threads):
+        metrics = features.run(cfg).metrics
     wall = time.perf_counter() - start
-    if len(marks) < 3:
-        raise SystemExit(f"features {backend}: {len(marks)} batches; give --rows at least 3 x the batch size")
-    steady = sum(tokens for _, tokens in marks[2:]) / (marks[-1][0] - marks[1][0])
-    row = {"stage": "features", "backend": backend, "tokens": result.metrics["tokens"],
-           "rows": result.metrics["rows"], "tok_s": steady, "wall_seconds": wall}
+    if "extract_tok_s" not in metrics:
+        raise SystemExit(f"features {backend}: fewer than 3 batches; give --rows at least 3 x the batch size")
+    row = {"stage": "features", "backend": backend, "tokens": metrics["tokens"], "rows": metrics["rows"],
+           "tok_s": metrics["extract_tok_s"], "wall_seconds": wall}
     if backend == "vllm":
-        engine = RecordedEngine.engines[0]
-        row.update(import_seconds=engine.import_seconds, startup_seconds=engine.startup_seconds)
+        row.update(import_seconds=metrics["import_seconds"], startup_seconds=metrics["startup_seconds"])
     else:
-        row.update(import_seconds=hf_import_seconds("stages.features", world / "target_b"), startup_seconds=sum(loads))
+        row.update(import_seconds=hf_import_seconds("stages.features", world / "target_b"),
+                   startup_seconds=metrics["load_seconds"])
     return row
 
 
 def measure_probe(backend: str, world: Path, drafter: Path, args, out: Path) -> dict:
-    loads: list[float] = []
     cfg = compose_stage("probe", [f"target={world / 'target_b'}", f"drafter={drafter}", f"out={out}",
                                   f"backend={backend}", f"prompts={world / 'prompts_b.jsonl'}",
                                   f"num_prompts={args.prompts}", f"max_new_tokens={args.max_new_tokens}",
                                   f"num_steps={args.num_steps}", f"vllm.threads={args.threads}"])
     start = time.perf_counter()
-    with timed_classmethod(TargetModel, "load", loads), timed_classmethod(Eagle3Drafter, "from_checkpoint", loads):
-        metrics = probe.run(cfg).metrics
+    metrics = probe.run(cfg).metrics
     wall = time.perf_counter() - start
     row = {"stage": "probe", "backend": backend, "tokens": metrics["completion_tokens"], "turns": metrics["turns"],
            "tok_s": metrics["tok_s"], "plain_tok_s": metrics["plain_tok_s"], "speedup": metrics["speedup"],
@@ -203,8 +144,9 @@ def measure_probe(backend: str, world: Path, drafter: Path, args, out: Path) -> 
     if backend == "vllm":
         row.update(accept_len_vllm=metrics["accept_len_vllm"], import_seconds=metrics["import_seconds"],
                    startup_seconds=metrics["startup_seconds"], plain_startup_seconds=metrics["plain_startup_seconds"])
-    else:  # the target and the drafter (the last loads are the vllm path's hf check, not run here)
-        row.update(import_seconds=hf_import_seconds("stages.probe", world / "target_b"), startup_seconds=sum(loads))
+    else:  # loading the target and the drafter, as the stage measured it
+        row.update(import_seconds=hf_import_seconds("stages.probe", world / "target_b"),
+                   startup_seconds=metrics["load_seconds"])
     return row
 
 

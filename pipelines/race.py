@@ -26,7 +26,6 @@ from omegaconf import DictConfig, OmegaConf
 from pipelines.cache import keys_for
 from pipelines.dag import Node, build_nodes, finetune_drafter, wired
 from pipelines.runner import NodeResult
-from stages.common.errors import RegraftError
 
 
 @dataclass
@@ -59,18 +58,14 @@ def rung_steps(cfg: DictConfig) -> list[int]:
 
 
 def candidates(cfg: DictConfig) -> list[Candidate]:
-    known = {"remap", "realign", "scratch", "as_is"}
-    unknown = [init for init in cfg.race.inits if init not in known]
-    if unknown:
-        raise RegraftError(f"race.inits={list(cfg.race.inits)}", f"unknown inits {unknown}",
-                           f"use any of {sorted(known)}")
-    return [Candidate(init, float(lr)) for init in cfg.race.inits for lr in cfg.race.lrs]
+    inits = OmegaConf.to_container(cfg.race.inits, enum_to_str=True)  # checked against Init at composition
+    return [Candidate(init, float(lr)) for init in inits for lr in cfg.race.lrs]
 
 
 def base_nodes(cfg: DictConfig) -> list[Node]:
     """Everything a candidate reads (maps, remap, diagnose, features), without the pipeline's own fine-tunes."""
     plain = OmegaConf.merge(cfg, {"pipeline": {"evaluate": False, "baseline": False}})
-    if "realign" in cfg.race.inits:
+    if "realign" in OmegaConf.to_container(cfg.race.inits, enum_to_str=True):
         plain.pipeline.diagnose = True
     nodes = [node for node in build_nodes(plain) if node.name != "finetune"]
     return [node for node in nodes if node.name != "probe" or cfg.pipeline.probe]

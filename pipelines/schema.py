@@ -15,7 +15,7 @@ from stages.common.stage import register_schema, setting
 from stages.compare import CompareConfig
 from stages.diagnose import DiagnoseConfig
 from stages.features import FeaturesConfig
-from stages.finetune import FinetuneConfig
+from stages.finetune import FinetuneConfig, Init
 from stages.probe import ProbeConfig
 from stages.regenerate import RegenerateConfig
 from stages.remap import RemapConfig
@@ -105,7 +105,7 @@ class PipelineSwitches:
 class RaceConfig:
     """pipeline.race: the candidates and the budget of pipelines/race.py (successive halving by val loss)."""
 
-    inits: list[str] = field(default_factory=lambda: ["remap", "realign", "scratch"])
+    inits: list[Init] = field(default_factory=lambda: [Init.remap, Init.realign, Init.scratch])
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3])
     budget_steps: int = setting(48, at_least=1)  # the full budget: optimizer steps of one candidate run to the end
     eta: int = setting(2, at_least=2)  # keep the best 1/eta at every rung

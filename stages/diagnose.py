@@ -153,8 +153,7 @@ def run(cfg: DictConfig) -> StageResult:
         embed_map = drift.fit_embedding_map(a.model.get_input_embeddings().weight,
                                             b.model.get_input_embeddings().weight, remapped.config.rms_norm_eps,
                                             cfg.ridge) if cfg.realign_embeddings else None
-        realigned = drafts = drift.realigned(remapped, maps, embed_map)
-        drafters["realign"] = drafts
+        realigned = drafters["realign"] = drift.realigned(remapped, maps, embed_map)
         report["layers"] = [d.as_dict() for d in layer_drift]
         on_a = step0(remapped, a.embed, held, held_b, fa.aux_hidden[split:], cfg)
         report["remap_on_target_a"] = on_a

@@ -5,6 +5,8 @@ Out: `features-NNNNN.safetensors` shards (stages/common/feature_shards.py) and a
 (output-of-layer convention), `last_hidden` (where the final state is stored: `all` positions, or `loss_masked`,
 only where a TTT loss can read it) and what the shards cost (`bytes`, `bytes_per_token`). A sweep of N fine-tunes
 (`finetune.features=DIR`) then runs the expensive target forward once instead of N times, and streams the shards.
+Timing in the metrics: `load_seconds` (the target's load; vllm: `import_seconds` + `startup_seconds`) and
+`extract_tok_s` (real tokens per second from the second batch on).
 
     python -m stages.features target=DIR data=FILE drafter=DRAFTER out=DIR
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -30,7 +33,7 @@ from stages.common.errors import RegraftError
 from stages.common.feature_shards import LastHidden, ShardWriter
 from stages.common.stage import StageResult, register_schema, setting, stage_main
 from stages.common.target import FinalNorm, TargetModel
-from stages.common.vllm_engine import VllmConfig, VllmEngine
+from stages.common.vllm_engine import VllmConfig, VllmEngine, check_engine
 
 
 class Backend(str, Enum):
@@ -58,7 +61,12 @@ class FeaturesConfig:
     dtype: str = "float32"  # the target's dtype while it runs (the shards keep what it computes)
 
 
-register_schema("features", FeaturesConfig)
+def check_features(cfg: DictConfig, where: str) -> None:
+    if Backend(cfg.backend) is Backend.vllm:
+        check_engine(cfg.vllm, f"{where}." if where else "")
+
+
+register_schema("features", FeaturesConfig, check=check_features)
 
 
 def aux_layers(cfg: DictConfig) -> list[int]:
@@ -81,8 +89,11 @@ def batches(rows: Batch, size: int) -> Iterator[Batch]:
         yield {name: tensor[start:start + size] for name, tensor in rows.items()}
 
 
-def hf_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], _out: Path) -> Iterator[tuple[Batch, ...]]:
+def hf_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], _out: Path,
+                timing: dict[str, float]) -> Iterator[tuple[Batch, ...]]:
+    start = time.perf_counter()
     target = TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, getattr(torch, cfg.dtype), cfg.trust_remote_code)
+    timing["load_seconds"] = time.perf_counter() - start
     for batch in batches(rows, cfg.batch_size):
         features = target.batch_features(batch)
         yield batch, features.aux_hidden, features.last_hidden
@@ -105,7 +116,8 @@ def vllm_capture(cfg: DictConfig, layer_ids: list[int], num_layers: int, spill: 
             "extra": {"enable_chunked_prefill": False, "max_model_len": cfg.vllm.max_model_len or cfg.max_length + 1}}
 
 
-def vllm_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], out: Path) -> Iterator[tuple[Batch, ...]]:
+def vllm_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], out: Path,
+                  timing: dict[str, float]) -> Iterator[tuple[Batch, ...]]:
     """The same rows through vLLM: each row's tokens (padding left out) as one prompt, prefill only; the final
     state gets the target's final norm here, as the shards store it (logits = lm_head(last_hidden))."""
     norm = FinalNorm.load(cfg.target)
@@ -113,6 +125,8 @@ def vllm_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], out: Path)
     with VllmEngine(cfg.vllm, out / "engine.log") as engine:
         engine.start(cfg.target, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                      **vllm_capture(cfg, layer_ids, norm.num_layers, spill))
+        timing.update(import_seconds=engine.import_seconds, startup_seconds=engine.startup_seconds,
+                      load_seconds=engine.import_seconds + engine.startup_seconds)
         for batch in batches(rows, cfg.batch_size):
             lengths = batch["attention_mask"].sum(-1).tolist()
             prompts = [ids[:length].tolist() for ids, length in zip(batch["input_ids"], lengths)]
@@ -140,6 +154,14 @@ def read_engine_states(path: Path, prompt: list[int]) -> torch.Tensor:
     return saved["hidden_states"].float()
 
 
+def extraction_rate(arrivals: list[tuple[float, int]]) -> dict[str, float]:
+    """Real tokens per second once running: from the second batch's arrival to the last's (the first pays one-off
+    allocations; the model's load is `load_seconds`). Needs three batches."""
+    if len(arrivals) < 3:
+        return {}
+    return {"extract_tok_s": sum(tokens for _, tokens in arrivals[2:]) / (arrivals[-1][0] - arrivals[1][0])}
+
+
 def run(cfg: DictConfig) -> StageResult:
     layer_ids = aux_layers(cfg)
     rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
@@ -147,10 +169,14 @@ def run(cfg: DictConfig) -> StageResult:
     with staged_output(cfg.out, "features", cfg) as staged:
         writer = ShardWriter(staged.path, cfg.rows_per_shard, cfg.last_hidden)
         produce = vllm_features if Backend(cfg.backend) is Backend.vllm else hf_features
-        for batch, aux_hidden, last_hidden in produce(cfg, rows, layer_ids, staged.path):
+        timing: dict[str, float] = {}
+        arrivals: list[tuple[float, int]] = []  # (when, real tokens) as each batch comes out of the target
+        for batch, aux_hidden, last_hidden in produce(cfg, rows, layer_ids, staged.path, timing):
+            arrivals.append((time.perf_counter(), int(batch["attention_mask"].sum())))
             writer.add({**batch, "aux_hidden": aux_hidden, "last_hidden": last_hidden})
         stored = writer.close()
-        metrics = {"rows": count, "tokens": int(rows["attention_mask"].sum()), **stored.metrics()}
+        metrics = {"rows": count, "tokens": int(rows["attention_mask"].sum()), **stored.metrics(), **timing,
+                   **extraction_rate(arrivals)}
         staged.update(metrics=metrics, aux_layer_ids=layer_ids, aux_convention=OUTPUT_OF_LAYER,
                       max_length=cfg.max_length, target=str(Path(cfg.target).absolute()),
                       last_hidden=LastHidden(cfg.last_hidden).value)

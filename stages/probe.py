@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -49,7 +50,7 @@ from stages.common.errors import RegraftError
 from stages.common.sglang_backend import SglangConfig, accept_length, aux_convention_warning, run_sglang
 from stages.common.spec_decode import SpeculativeDecoder, greedy_generate
 from stages.common.target import TargetModel
-from stages.common.vllm_engine import VllmConfig, VllmEngine, served_drafter
+from stages.common.vllm_engine import VllmConfig, VllmEngine, check_engine, served_drafter
 
 BUILTIN_PROMPTS = [
     ["What does `os.path.join` do?"],
@@ -92,6 +93,8 @@ class ProbeConfig:
 
 def check_probe(cfg: DictConfig, where: str) -> None:
     prefix = f"{where}." if where else ""
+    if Backend(cfg.backend) is Backend.vllm:
+        check_engine(cfg.vllm, prefix)
     if Backend(cfg.backend) is not Backend.sglang and cfg.topk != 1:
         raise RegraftError(f"{prefix}topk={cfg.topk}",
                            f"the {Backend(cfg.backend).value} backend drafts a chain (topk 1)",
@@ -149,14 +152,17 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def measure_hf(cfg: DictConfig, conversations: list[list[str]], tokenizer, drafter_path: Path) -> tuple[list[dict], list[int]]:
-    """Every turn decoded twice, speculatively and plainly; returns per-turn rows and accepted drafts per verify."""
-    dtype = getattr(torch, cfg.dtype)
+def measure_hf(cfg: DictConfig, conversations: list[list[str]], tokenizer, drafter_path: Path
+               ) -> tuple[list[dict], list[int], float]:
+    """Every turn decoded twice, speculatively and plainly; returns per-turn rows, accepted drafts per verify and
+    the seconds the drafter and target took to load."""
+    dtype, start = getattr(torch, cfg.dtype), time.perf_counter()
     checkpoint = DrafterCheckpoint.open(drafter_path)
     check_drafter_fits_target(checkpoint.config, target_config(cfg.target), drafter_path, cfg.target)
     drafter = Eagle3Drafter.from_checkpoint(checkpoint, dtype=dtype)
     target = TargetModel.load(cfg.target, drafter.config.aux_layer_ids, drafter.config.aux_convention, dtype,
                               cfg.trust_remote_code)
+    load_seconds = time.perf_counter() - start
     decoder, stops = SpeculativeDecoder(target, drafter, cfg.num_steps), stop_ids(tokenizer, Path(cfg.target))
     decoder.generate(prompt_ids(tokenizer, WARM_UP), 4, stops)  # one-off allocation costs, kept out of tok/s
     rows, accepted = [], []
@@ -174,7 +180,7 @@ def measure_hf(cfg: DictConfig, conversations: list[list[str]], tokenizer, draft
                      "completion_tokens": len(spec.tokens), "verify_steps": spec.target_forwards,
                      "accept_len": round(spec.accept_len, 4), "seconds": round(spec.seconds, 4),
                      "plain_seconds": round(plain.seconds, 4), "text": answer})
-    return rows, accepted
+    return rows, accepted, load_seconds
 
 
 def measure_sglang(cfg: DictConfig, conversations: list[list[str]], tokenizer, drafter_path: Path,
@@ -223,12 +229,11 @@ def check_same_tokens(rows: list[dict], reference: list[list[int]], against: str
                                f"{expected[at:at + 4]})", "report this with the target, drafter and engine versions")
 
 
-def plain_vllm(engine: VllmEngine, cfg: DictConfig, prompts: list[list[int]], stops: list[int]) -> tuple[list, float]:
-    """The same prompts through vLLM without speculation, one by one: token ids and seconds."""
+def plain_vllm(engine: VllmEngine, cfg: DictConfig, prompts: list[list[int]], stops: list[int]) -> list[dict]:
+    """The same prompts through vLLM without speculation, one by one: each answer's token ids and seconds."""
     engine.start(cfg.target, dtype=cfg.dtype, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code)
     engine.generate(prompts[:1], 4, stop_token_ids=stops)
-    answers = [engine.generate([prompt], cfg.max_new_tokens, stop_token_ids=stops) for prompt in prompts]
-    return [a["outputs"][0] for a in answers], sum(a["seconds"] for a in answers)
+    return [engine.generate([prompt], cfg.max_new_tokens, stop_token_ids=stops) for prompt in prompts]
 
 
 def plain_hf(cfg: DictConfig, prompts: list[list[int]], stops: list[int], drafter_path: Path) -> list[list[int]]:
@@ -249,19 +254,18 @@ def measure_vllm(cfg: DictConfig, conversations: list[list[str]], tokenizer, dra
                                trust_remote_code=cfg.trust_remote_code)
         rows = ask_turn_by_turn(engine, conversations, tokenizer, cfg, stops)
         prompts = [row["prompt"] for row in rows]
-        plain, plain_seconds = plain_vllm(engine, cfg, prompts, stops)
-    check_same_tokens(rows, plain, "vLLM's plain greedy decoding", cfg.out)
+        plain = plain_vllm(engine, cfg, prompts, stops)
+    check_same_tokens(rows, [answer["outputs"][0] for answer in plain], "vLLM's plain greedy decoding", cfg.out)
     if cfg.check_hf:
         check_same_tokens(rows, plain_hf(cfg, prompts, stops, drafter_path), "the hf target's greedy decoding",
                           cfg.out)
-    for row, seconds in zip(rows, [plain_seconds / len(rows)] * len(rows)):
-        row["plain_seconds"] = round(seconds, 4)
+    for row, answer in zip(rows, plain):
+        row["plain_seconds"] = round(answer["seconds"], 4)
     drafts = sum(row["drafts"] for row in rows)
     per_position = [sum(row["accepted_per_pos"][i] for row in rows) for i in range(cfg.num_steps)]
     extra = {"accept_len_vllm": 1 + sum(row["accepted"] for row in rows) / max(drafts, 1),
              "import_seconds": engine.import_seconds, "startup_seconds": startup,
-             "plain_startup_seconds": engine.startup_seconds,
-             "plain_tok_s": sum(len(p) for p in plain) / plain_seconds, **acceptance(per_position, drafts)}
+             "plain_startup_seconds": engine.startup_seconds, **acceptance(per_position, drafts)}
     for row in rows:
         del row["prompt"], row["tokens"], row["accepted_per_pos"]
     return rows, extra
@@ -284,7 +288,7 @@ def summarise(rows: list[dict], extra: dict[str, float], num_steps: int, backend
                "completion_tokens": tokens, "turns": len(rows), "num_steps": num_steps, **extra}
     if backend is not Backend.sglang:
         plain_seconds = sum(row["plain_seconds"] for row in rows)
-        metrics.setdefault("plain_tok_s", tokens / plain_seconds)
+        metrics["plain_tok_s"] = tokens / plain_seconds
         metrics["speedup"] = plain_seconds / seconds
     return metrics
 
@@ -328,8 +332,9 @@ def run(cfg: DictConfig) -> StageResult:
     with staged_output(cfg.out, "probe", cfg) as staged:
         extra: dict[str, float] = {}
         if backend is Backend.hf:
-            rows, accepted = measure_hf(cfg, conversations, tokenizer, drafter_path)
-            extra = acceptance([sum(a > i for a in accepted) for i in range(cfg.num_steps)], len(accepted))
+            rows, accepted, load_seconds = measure_hf(cfg, conversations, tokenizer, drafter_path)
+            extra = {**acceptance([sum(a > i for a in accepted) for i in range(cfg.num_steps)], len(accepted)),
+                     "load_seconds": load_seconds}
         elif backend is Backend.vllm:
             rows, extra = measure_vllm(cfg, conversations, tokenizer, drafter_path, staged.path)
         else:

@@ -51,12 +51,12 @@ from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
 from stages.common.artifacts import plain_config, staged_output
-from stages.common.chat import batched, load_tokenizer
+from stages.common.chat import batched, load_tokenizer, read_chat_records
 from stages.common.chat_prompts import context_length, prompt_ids, stop_ids
 from stages.common.errors import RegraftError
 from stages.common.openai_client import Refused, chat_completion, served_models
 from stages.common.stage import StageResult, register_schema, setting, stage_main
-from stages.common.vllm_engine import VllmConfig, VllmEngine
+from stages.common.vllm_engine import VllmConfig, VllmEngine, check_engine
 
 WORK_FILE, SETTINGS_FILE = "samples.jsonl", "settings.json"
 ID_DIGITS = 16
@@ -96,6 +96,8 @@ def check_regenerate(cfg: DictConfig, where: str) -> None:
     if Engine(cfg.engine) is Engine.openai and not cfg.server_url:
         raise RegraftError(f"{prefix}server_url", "engine=openai needs a server",
                            f"set {prefix}server_url=http://HOST:PORT of a running SGLang or vLLM server")
+    if Engine(cfg.engine) is Engine.vllm:
+        check_engine(cfg.vllm, prefix)
     if Engine(cfg.engine) is Engine.vllm and cfg.extra_body:
         raise RegraftError(f"{prefix}extra_body", "is sent to servers only (engine=openai)",
                            f"drop {prefix}extra_body, or set {prefix}engine=openai")
@@ -139,17 +141,6 @@ def content_id(record: dict) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:ID_DIGITS]
 
 
-def parse_line(line: str, where: str) -> dict:
-    try:
-        record = json.loads(line)
-        if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in record["messages"]):
-            raise TypeError("role and content must be strings")
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise RegraftError(where, f"not a chat line ({exc.__class__.__name__}: {exc})",
-                           'each line must be {"messages": [{"role": ..., "content": ...}, ...]}') from exc
-    return record
-
-
 def sample_id(record: dict, where: str, copies: Counter) -> str:
     given = record.get("id")
     if given is None:
@@ -164,23 +155,16 @@ def sample_id(record: dict, where: str, copies: Counter) -> str:
 
 def read_samples(path: Path, limit: int | None) -> list[Sample]:
     """The samples of a chat JSONL file in file order, each with its id and turns; ids must be unique."""
-    if not path.is_file():
-        raise RegraftError(path, "chat data not found", 'give data= a JSONL file of {"messages": [...]} lines')
     samples, lines, copies = [], {}, Counter()
-    with path.open() as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            record = parse_line(line, where)
-            key = sample_id(record, where, copies)
-            if key in lines:
-                raise RegraftError(where, f"id {key!r} is already the id of line {lines[key]}",
-                                   "give every line its own id, or none (regraft then hashes the line)")
-            lines[key] = number
-            samples.append(plan_turns(Sample(key, record)))
-            if limit is not None and len(samples) == limit:
-                break
+    for where, record in read_chat_records(path):
+        key = sample_id(record, where, copies)
+        if key in lines:
+            raise RegraftError(where, f"id {key!r} is already the id of line {lines[key]}",
+                               "give every line its own id, or none (regraft then hashes the line)")
+        lines[key] = where.rsplit(":", 1)[1]
+        samples.append(plan_turns(Sample(key, record)))
+        if limit is not None and len(samples) == limit:
+            break
     if not samples:
         raise RegraftError(path, "holds no conversations", 'give data= a JSONL file of {"messages": [...]} lines')
     return samples

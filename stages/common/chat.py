@@ -15,22 +15,28 @@ if TYPE_CHECKING:
     import torch
 
 
-def read_conversations(path: Path) -> Iterator[list[dict]]:
-    """Yield the `messages` of each JSONL line; a bad line stops with its file and line number."""
-    if not path.exists():
+def read_chat_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """(`path:line`, the parsed line) for each JSONL chat line, checked; a bad line stops with its file and line."""
+    if not path.is_file():
         raise RegraftError(path, "chat data not found", "give data= a JSONL file of {\"messages\": [...]} lines")
     with path.open() as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
-                messages = json.loads(line)["messages"]
-                if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
+                record = json.loads(line)
+                if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in record["messages"]):
                     raise TypeError("role and content must be strings")
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise RegraftError(f"{path}:{number}", f"not a chat line ({exc.__class__.__name__}: {exc})",
                                    'each line must be {"messages": [{"role": ..., "content": ...}, ...]}') from exc
-            yield messages
+            yield f"{path}:{number}", record
+
+
+def read_conversations(path: Path) -> Iterator[list[dict]]:
+    """Yield the `messages` of each JSONL line; a bad line stops with its file and line number."""
+    for _, record in read_chat_records(path):
+        yield record["messages"]
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):

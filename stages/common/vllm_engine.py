@@ -19,11 +19,12 @@ import json
 import os
 import selectors
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from omegaconf import DictConfig
 
 from stages.common import vllm_worker  # noqa: F401  (runs in the engine venv; imported here for the cache key)
 from stages.common.engine_process import log_tail, stop_group
@@ -65,6 +66,13 @@ def engine_available(cfg: VllmConfig | None = None) -> bool:
     return engine_python(cfg or VllmConfig()).exists()
 
 
+def check_engine(cfg: VllmConfig | DictConfig, where: str) -> None:
+    """Before any work: the interpreter a stage will run vLLM with exists (`where`: the config prefix, `probe.`)."""
+    if not engine_python(cfg).exists():
+        raise RegraftError(f"{where}vllm.python={cfg.python}", "no vLLM engine venv there",
+                           f"run `make venv-vllm`, or set {where}vllm.python= to an interpreter with vllm")
+
+
 class VllmEngine:
     """Context manager: start the worker, wait for its ready line, answer requests; stop the group on exit."""
 
@@ -75,10 +83,8 @@ class VllmEngine:
         self._lines = b""
 
     def __enter__(self) -> "VllmEngine":
+        check_engine(self.cfg, "")
         python = engine_python(self.cfg)
-        if not python.exists():
-            raise RegraftError(python, "no vLLM engine venv", "run `make venv-vllm`, or set the stage's "
-                               "vllm.python= to an interpreter that has vllm installed")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "TOKENIZERS_PARALLELISM": "false", **self.cfg.env}
@@ -178,7 +184,3 @@ def served_drafter(drafter: Path, out_dir: Path, verifier: str | Path) -> Path:
     from stages.common.drafter_config import INPUT_OF_LAYER
 
     return convert_checkpoint(drafter, out_dir, "speculators", INPUT_OF_LAYER, verifier=str(verifier))
-
-
-def scratch_dir(parent: Path, prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
