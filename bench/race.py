@@ -1,8 +1,8 @@
 """The race against its reference: the decision successive halving makes, the ranking every candidate trained to the
 full budget gives, and the share of that full compute the race spent, in the default world and the drifted one.
 
-    .venv/bin/python bench/race.py                      # default sizes: both worlds (not yet run)
-    .venv/bin/python bench/race.py --tiny               # debug=tiny: minutes
+    .venv/bin/python bench/race.py                      # default sizes: both worlds
+    .venv/bin/python bench/race.py --tiny               # debug=race (tests/test_race.py's sizes): about 2 minutes
     .venv/bin/python bench/race.py --world-override world.rotate_b=1 --budget 48
 
 Each world runs `regraft pipeline.race=true` in-process (launcher=inline), then every candidate to the end from
@@ -46,14 +46,14 @@ def race_world(outputs: Path, overrides: list[str], console: Console) -> tuple[d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--outputs", type=Path, default=Path("outputs/bench_race"))
-    parser.add_argument("--tiny", action="store_true", help="debug=tiny, budget 8")
+    parser.add_argument("--tiny", action="store_true", help="debug=race: the tiny world, trained enough to rank")
     parser.add_argument("--budget", type=int, default=None, help="race.budget_steps")
     parser.add_argument("--world-override", action="append", default=None,
                         help="run one world with these overrides instead of the default and drifted ones")
     args = parser.parse_args()
     console = Console(width=120)
     worlds = {"given": args.world_override} if args.world_override else WORLDS
-    common = (["debug=tiny", "race.budget_steps=8"] if args.tiny else []) + \
+    common = (["debug=race"] if args.tiny else []) + \
         ([f"race.budget_steps={args.budget}"] if args.budget else [])
     table = Table(title="race vs every candidate to the end (ranked by val loss)", title_justify="left")
     for column in ("world", "race winner", "full-budget ranking (val loss)", "agree", "compute spent"):

@@ -26,6 +26,9 @@ from stages.common.artifacts import read_manifest
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_PACKAGES = ("stages", "pipelines")
 KEY_LENGTH = 16
+# config fields naming places a stage writes, not reads: their names are in the key, never their contents (a race's
+# shared checkpoint folder grows as later rungs train, and must not change the keys of the rungs before them)
+WRITTEN_PATHS = ("out", "checkpoint_dir")
 
 
 def module_file(name: str) -> Path | None:
@@ -93,6 +96,8 @@ def fingerprint(value: str) -> str | None:
 def outside_paths(config: DictConfig) -> dict[str, str]:
     found = {}
     for key, value in OmegaConf.to_container(config, resolve=True).items():
+        if key in WRITTEN_PATHS:
+            continue
         if isinstance(value, str) and not value.startswith("@") and "/" in value and (print_ := fingerprint(value)):
             found[key] = print_
     return found

@@ -3,8 +3,10 @@
 Candidates are `race.inits` x `race.lrs`; each would train `race.budget_steps` optimizer steps (its cosine schedule
 is always that long). Successive halving: every candidate trains to the first rung, the best 1/eta by validation
 loss (TTT's decay-weighted loss on the held-out split, lower is better: the figure every fine-tune reports, and
-the one its best checkpoint is chosen by) continue to the next, and so on; the last one trains to the full budget
-and is evaluated like phase 1. Rung r of R ends at `ceil(budget / eta^(R-1-r))` steps.
+the one its best checkpoint is chosen by) continue to the next, and so on. Rung r of R ends at
+`ceil(budget / eta^(R-1-r))` steps, none inside the warmup. Each family's best (transfer: remap, realign; scratch)
+always goes on, so transfer-or-scratch is decided at the full budget, where both finalists are evaluated; the
+winner is the finalist with the lower val loss, and its evaluation is phase 1.
 
 A rung is a finetune node with `stop_at` = its step and a checkpoint folder shared by the candidate's rungs, so a
 promoted candidate resumes from its rung checkpoint and continues exactly as one uninterrupted run would
@@ -18,7 +20,7 @@ nor reproducible from the config alone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -41,6 +43,10 @@ class Candidate:
     def label(self) -> str:
         return f"{self.init} lr={self.lr:g}"
 
+    @property
+    def family(self) -> str:
+        return "scratch" if self.init == "scratch" else "transfer"
+
 
 @dataclass
 class RungRow:
@@ -52,8 +58,16 @@ class RungRow:
     promoted: bool = False
 
 
-def rung_steps(cfg: DictConfig) -> list[int]:
-    steps = [math.ceil(cfg.budget_steps / cfg.eta ** (cfg.rungs - 1 - r)) for r in range(cfg.rungs)]
+def warmup_steps(budget: int, warmup_ratio: float) -> int:
+    """Optimizer steps DeepSpeed's WarmupCosineLR spends warming up (at least 2; the first one at lr 0)."""
+    return max(2, int(warmup_ratio * budget))
+
+
+def rung_steps(race: DictConfig, warmup_ratio: float) -> list[int]:
+    """Rung r of R at ceil(budget / eta^(R-1-r)), none before two steps past the warmup: a rung inside it would
+    rank the starting points, not how the candidates learn."""
+    first = min(race.budget_steps, warmup_steps(race.budget_steps, warmup_ratio) + 2)
+    steps = [max(first, math.ceil(race.budget_steps / race.eta ** (race.rungs - 1 - r))) for r in range(race.rungs)]
     return sorted(set(steps))
 
 
@@ -93,24 +107,54 @@ def checkpoint_folder(cfg: DictConfig, base: list[Node], candidate: Candidate) -
 
 
 @dataclass
+class Finalist:
+    """A candidate trained to the full budget: the best of its family (transfer or scratch)."""
+
+    candidate: Candidate
+    result: NodeResult
+    val_loss: float
+    sim_accept_len: float
+    accept_len: float | None = None  # measured by its evaluate node, when pipeline.evaluate
+
+
+@dataclass
 class RaceOutcome:
     rows: list[RungRow]
-    winner: Candidate
-    winner_result: NodeResult
+    finalists: list[Finalist]  # the winner first
     steps_spent: int
     steps_all: int
-    by_candidate: dict[str, RungRow] = field(default_factory=dict)  # each candidate's last rung
+
+    @property
+    def winner(self) -> Finalist:
+        return self.finalists[0]
 
     @property
     def compute_share(self) -> float:
         return self.steps_spent / self.steps_all
 
 
-def survivors(rows: list[RungRow], pool: list[Candidate], eta: int) -> list[Candidate]:
-    """The best max(1, n // eta) by validation loss; ties go to the earlier candidate in the grid."""
+def ranked(rows: list[RungRow], pool: list[Candidate]) -> list[Candidate]:
+    """By validation loss, lowest first; ties go to the earlier candidate in the grid."""
     loss = {row.candidate: row.val_loss for row in rows}
-    ranked = sorted(pool, key=lambda c: (loss[c.label], pool.index(c)))
-    return ranked[: max(1, len(pool) // eta)]
+    return sorted(pool, key=lambda c: (loss[c.label], pool.index(c)))
+
+
+def survivors(rows: list[RungRow], pool: list[Candidate], eta: int) -> list[Candidate]:
+    """The best n // eta by validation loss, among them always the best of each family still in the race (so at
+    least one per family): the worst kept of a family with several gives way to a missing family's best.
+
+    Early rungs favour a transfer's head start (in the Kimi case the remapped drafter starts lower and plateaus
+    below scratch), so transfer-or-scratch itself is decided at the full budget only.
+    """
+    order = ranked(rows, pool)
+    families = list(dict.fromkeys(c.family for c in order))
+    kept = order[: max(len(families), len(pool) // eta)]
+    for family in families:
+        if all(c.family != family for c in kept):
+            crowded = [c for c in kept if sum(k.family == c.family for k in kept) > 1]
+            kept.remove(crowded[-1])
+            kept.append(next(c for c in order if c.family == family))
+    return [c for c in order if c in kept]
 
 
 def run_race(cfg: DictConfig, run_rungs) -> tuple[list[Node], dict[str, NodeResult], RaceOutcome]:
@@ -121,7 +165,7 @@ def run_race(cfg: DictConfig, run_rungs) -> tuple[list[Node], dict[str, NodeResu
     folders = {c.label: checkpoint_folder(cfg, base, c) for c in pool}
     rows: list[RungRow] = []
     nodes = list(base)
-    steps = rung_steps(cfg.race)
+    steps = rung_steps(cfg.race, cfg.finetune.deepspeed.warmup_ratio)
     reached = {c.label: 0 for c in pool}
     last: dict[str, NodeResult] = {}
     for rung, step in enumerate(steps):
@@ -129,40 +173,44 @@ def run_race(cfg: DictConfig, run_rungs) -> tuple[list[Node], dict[str, NodeResu
         done = run_rungs(rung_nodes, results)
         results.update(done)
         nodes += rung_nodes
+        rung_rows = []
         for candidate, node in zip(pool, rung_nodes):
             metrics = done[node.name].metrics
-            rows.append(RungRow(rung, step, candidate.label, metrics.get("val_loss", math.inf),
-                                metrics.get("val_sim_accept_len", math.nan)))
+            rung_rows.append(RungRow(rung, step, candidate.label, metrics.get("val_loss", math.inf),
+                                     metrics.get("val_sim_accept_len", math.nan)))
             reached[candidate.label] = step
             last[candidate.label] = done[node.name]
+        rows += rung_rows
         if rung + 1 < len(steps):
-            kept = survivors(rows[-len(pool):], pool, cfg.race.eta)
-            for row in rows[-len(pool):]:
-                row.promoted = row.candidate in {c.label for c in kept}
-            pool = kept
-    winner = survivors(rows[-len(pool):], pool, cfg.race.eta)[0]
-    for row in rows[-len(pool):]:
-        row.promoted = row.candidate == winner.label
-    outcome = RaceOutcome(rows, winner, last[winner.label], sum(reached.values()),
-                          len(reached) * cfg.race.budget_steps)
-    outcome.by_candidate = {label: max((r for r in rows if r.candidate == label), key=lambda r: r.step)
-                            for label in reached}
-    return nodes, results, outcome
+            pool = survivors(rung_rows, pool, cfg.race.eta)
+        else:  # the finalists: each family's best at the full budget
+            pool = [next(c for c in ranked(rung_rows, pool) if c.family == family)
+                    for family in dict.fromkeys(c.family for c in ranked(rung_rows, pool))]
+        for row in rung_rows:
+            row.promoted = row.candidate in {c.label for c in pool}
+    by_label = {row.candidate: row for row in rows if row.step == steps[-1]}
+    finalists = [Finalist(c, last[c.label], by_label[c.label].val_loss, by_label[c.label].sim_accept_len)
+                 for c in pool]
+    return nodes, results, RaceOutcome(rows, finalists, sum(reached.values()), len(reached) * cfg.race.budget_steps)
 
 
 def decision(outcome: RaceOutcome, budget: int) -> str:
-    """One sentence: the winner, how it stands against the best of the other family, and what the race cost."""
+    """One sentence: the winner, the best of the other family at the same full budget, and what the race cost."""
     winner = outcome.winner
-    family = "scratch" if winner.init == "scratch" else f"transfer ({winner.init})"
-    rivals = [row for label, row in outcome.by_candidate.items()
-              if (label.startswith("scratch")) != (winner.init == "scratch")]
-    final = outcome.by_candidate[winner.label]
-    text = f"{family} wins: {winner.label}, val loss {final.val_loss:.3f} at the full budget of {budget} steps"
-    if rivals:
-        best = min(rivals, key=lambda row: row.val_loss)
-        mine = next(r for r in outcome.rows if r.candidate == winner.label and r.step == best.step)
-        text += (f"; the best {'transfer' if winner.init == 'scratch' else 'scratch'} candidate ({best.candidate}) "
-                 f"was {best.val_loss - mine.val_loss:+.3f} behind it at step {best.step}")
+    family = "scratch" if winner.candidate.family == "scratch" else f"transfer ({winner.candidate.init})"
+    if len(outcome.finalists) == 1:
+        text = (f"{family} wins: {winner.candidate.label}, val loss {winner.val_loss:.3f} at the full budget of "
+                f"{budget} steps (race.inits has no {'transfer' if family == 'scratch' else 'scratch'} candidate)")
+    else:
+        rival = outcome.finalists[1]
+        text = (f"{family} beats {rival.candidate.family} at the full budget of {budget} steps: "
+                f"{winner.candidate.label} vs {rival.candidate.label}, val loss {winner.val_loss:.3f} vs "
+                f"{rival.val_loss:.3f}")
+        if winner.accept_len is not None and rival.accept_len is not None:
+            text += (f", accept_len {winner.accept_len:.3f} vs {rival.accept_len:.3f} "
+                     f"({winner.accept_len - rival.accept_len:+.3f})")
+        else:
+            text += f", sim accept_len {winner.sim_accept_len:.3f} vs {rival.sim_accept_len:.3f}"
     return text + f"; the race spent {outcome.compute_share:.0%} of running all candidates to the end"
 
 
@@ -172,14 +220,19 @@ def race_table(outcome: RaceOutcome):
     table = Table(title="race: successive halving by val loss", title_justify="left")
     for column in ("rung", "step", "candidate", "val loss", "sim accept", "on"):
         table.add_column(column, justify="right" if column not in ("candidate", "on") else "left")
+    last = max(row.rung for row in outcome.rows)
     for row in outcome.rows:
+        on = ("winner" if row.candidate == outcome.winner.candidate.label else "final") if row.rung == last else "yes"
         table.add_row(str(row.rung), str(row.step), row.candidate, f"{row.val_loss:.3f}",
-                      f"{row.sim_accept_len:.2f}", "yes" if row.promoted else "")
+                      f"{row.sim_accept_len:.2f}", on if row.promoted else "")
     return table
 
 
 def race_summary(outcome: RaceOutcome, budget: int) -> dict:
-    return {"decision": decision(outcome, budget), "winner": outcome.winner.label,
+    return {"decision": decision(outcome, budget), "winner": outcome.winner.candidate.label,
+            "finalists": [{"candidate": f.candidate.label, "family": f.candidate.family, "val_loss": f.val_loss,
+                           "sim_accept_len": f.sim_accept_len, "accept_len": f.accept_len}
+                          for f in outcome.finalists],
             "compute_share": outcome.compute_share, "steps_spent": outcome.steps_spent,
             "steps_all_to_the_end": outcome.steps_all, "budget_steps": budget,
             "rungs": [vars(row) for row in outcome.rows]}

@@ -23,6 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -122,13 +123,43 @@ def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> 
                        cfg.launcher.max_parallel, keys_for(every), done)
 
     nodes, results, outcome = run_race(cfg, run_rungs)
-    if cfg.pipeline.evaluate:
-        evaluate = Node("evaluate", "probe", wired(cfg.probe, target=cfg.target.path, drafter=outcome.winner_result.out))
-        results.update(run_rungs([evaluate], results))
+    if cfg.pipeline.evaluate:  # the winner is phase 1; the other family's finalist is measured the same way
+        names = ["evaluate"] + [f"{finalist.candidate.name}_evaluate" for finalist in outcome.finalists[1:]]
+        evaluations = [Node(name, "probe", wired(cfg.probe, target=cfg.target.path, drafter=finalist.result.out))
+                       for name, finalist in zip(names, outcome.finalists)]
+        results.update(run_rungs(evaluations, results))
+        for name, finalist in zip(names, outcome.finalists):
+            finalist.accept_len = results[name].metrics.get("accept_len")
     console.print(race_table(outcome))
     summary = race_summary(outcome, cfg.race.budget_steps)
     console.print(f"race: {summary['decision']}", highlight=False, soft_wrap=True)
     return results, summary
+
+
+def report_and_exit(exc: BaseException, console: Console, run_dir: Path) -> NoReturn:
+    """How a run (or a whole sweep) ends early: one line on the terminal, where the log is, an exit code."""
+    if isinstance(exc, StageFailed):  # the stage's own line, then where its whole log is
+        console.print(f"[red]error:[/red] {exc.node}: {exc.line}", highlight=False, soft_wrap=True)
+        console.print(f"log: {exc.log}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    if isinstance(exc, RegraftError):
+        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    if isinstance(exc, KeyboardInterrupt):
+        console.print("[red]interrupted:[/red] the running stages were cancelled; the same command resumes from "
+                      "the complete ones", highlight=False)
+        sys.exit(130)
+    if not isinstance(exc, Exception):  # SystemExit and the like: as they are
+        raise exc
+    # not regraft's own: one line all the same, the traceback kept in the run folder
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "regraft-error.log"
+    log.write_text("".join(traceback.format_exception(exc)))
+    first = next((line for line in str(exc).splitlines() if line.strip()), "")
+    console.print(f"[red]error:[/red] regraft crashed: {type(exc).__name__}: {first} (a bug: the traceback is "
+                  "in the log below; rerun to resume from the complete stages)", highlight=False, soft_wrap=True)
+    console.print(f"log: {log}", highlight=False, soft_wrap=True)
+    sys.exit(1)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -141,25 +172,8 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(cfg.paths.run)
     try:
         done = run_pipeline(cfg, run_dir, list(HydraConfig.get().overrides.task), console)
-    except StageFailed as exc:  # the stage's own line, then where its whole log is
-        console.print(f"[red]error:[/red] {exc.node}: {exc.line}", highlight=False, soft_wrap=True)
-        console.print(f"log: {exc.log}", highlight=False, soft_wrap=True)
-        sys.exit(1)
-    except RegraftError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(1)
-    except Exception as exc:  # not regraft's own: one line all the same, the traceback kept in the run folder
-        log = run_dir / "regraft-error.log"
-        log.write_text(traceback.format_exc())
-        first = next((line for line in str(exc).splitlines() if line.strip()), "")
-        console.print(f"[red]error:[/red] regraft crashed: {type(exc).__name__}: {first} (a bug: the traceback is "
-                      "in the log below; rerun to resume from the complete stages)", highlight=False, soft_wrap=True)
-        console.print(f"log: {log}", highlight=False, soft_wrap=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        console.print("[red]interrupted:[/red] the running stages were cancelled; the same command resumes from "
-                      "the complete ones", highlight=False)
-        sys.exit(130)
+    except BaseException as exc:  # noqa: BLE001 (one line and an exit code, whatever ended it)
+        report_and_exit(exc, console, run_dir)
     console.print(stage_table(done.results))
     console.print(story_table(done.summary["numbers"], caption=story_caption(done.summary)))
     if done.mlflow_ui:

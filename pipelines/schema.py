@@ -109,7 +109,7 @@ class RaceConfig:
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3])
     budget_steps: int = setting(48, at_least=1)  # the full budget: optimizer steps of one candidate run to the end
     eta: int = setting(2, at_least=2)  # keep the best 1/eta at every rung
-    rungs: int = setting(3, at_least=1)  # rung count, the last one at the full budget
+    rungs: int = setting(4, at_least=1)  # rung count, the last one at the full budget
 
 
 @dataclass

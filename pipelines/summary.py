@@ -136,7 +136,12 @@ LABELS = {"accept_len/phase0": "accept_len, phase 0 (source as it is)",
           "diagnose/cka_mean": "CKA(old target, new), aux layers",
           "diagnose/transfer_gap": "transfer gap: step-0 loss from features",
           "diagnose/step0_loss_realign": "step-0 loss, re-aligned drafter",
-          "race/compute_share": "race: share of all-to-the-end compute"}
+          "race/compute_share": "race: share of all-to-the-end compute",
+          "race/steps_spent": "race: optimizer steps spent",
+          "race/val_loss/transfer": "race: val loss, best transfer",
+          "race/val_loss/scratch": "race: val loss, best scratch",
+          "race/accept_len/transfer": "race: accept_len, best transfer",
+          "race/accept_len/scratch": "race: accept_len, best scratch"}
 
 
 def story_table(numbers: dict[str, Any], title: str = "regraft: phase 0 vs phase 1", caption: str | None = None
@@ -229,6 +234,10 @@ def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, o
         summary["race"] = race
         summary["numbers"].update({"race/compute_share": race["compute_share"],
                                    "race/steps_spent": race["steps_spent"]})
+        for finalist in race["finalists"]:  # transfer or scratch, at the full budget: one figure per family
+            summary["numbers"][f"race/val_loss/{finalist['family']}"] = finalist["val_loss"]
+            if finalist["accept_len"] is not None:
+                summary["numbers"][f"race/accept_len/{finalist['family']}"] = finalist["accept_len"]
     write_json_atomic(run_dir / "summary.json", summary)
     return summary
 
@@ -263,7 +272,8 @@ class SweepSummary(Callback):
             summary = json.loads(path.read_text())
             members.append({"member": path.parent.name, "overrides": summary["overrides"],
                             "numbers": summary["numbers"], "phase1_is_scratch": summary.get("phase1_is_scratch", False),
-                            "ran": [n for n, s in summary["stages"].items() if not s["hit"]]})
+                            "ran": [n for n, s in summary["stages"].items() if not s["hit"]],
+                            "failed": summary.get("failed")})
         if not members:
             return
         params = config.hydra.sweeper.get("params")
@@ -287,7 +297,15 @@ class SweepSummary(Callback):
         for member in members:
             shown = ["=phase 1" if member["phase1_is_scratch"] and key.endswith("/scratch")
                      else fmt(member["numbers"].get(key)) for key, _ in columns]
-            table.add_row(member["member"], *member["varies"].values(), *shown, str(len(member["ran"])))
+            table.add_row(member["member"], *member["varies"].values(), *shown,
+                          "failed" if member["failed"] else str(len(member["ran"])))
         console = Console()
         console.print(table)
+        for member in members:  # one line each: which stage, and its own error line
+            if member["failed"]:
+                varies = " ".join(f"{short[k]}={v}" for k, v in member["varies"].items())
+                console.print(f"[red]member {member['member']}[/red] ({varies}) failed at {member['failed']}",
+                              highlight=False, soft_wrap=True)
         console.print(f"sweep summary: {sweep_dir / 'summary.json'}", highlight=False, soft_wrap=True)
+        if any(member["failed"] for member in members):
+            raise SystemExit(1)  # the others finished; the sweep as a whole did not

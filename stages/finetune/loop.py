@@ -163,6 +163,7 @@ class Progress:
     batch: int = 0  # micro-batches of this epoch already consumed
     best_val_loss: float = float("inf")
     logged: Optional[int] = None  # lines of metrics.jsonl when the checkpoint was saved (rank 0's)
+    validated: int = 0  # the step of the last validation (a checkpoint is taken before the validation after it)
 
 
 def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_data: Rows, val_data: Rows,
@@ -205,6 +206,19 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             os.replace(checkpoints / "latest.tmp", checkpoints / "latest")
             prune_checkpoints(checkpoints, cfg.keep_checkpoints)
 
+    def validate_and_keep_best(best: dict) -> dict:
+        val = validate(engine.module, target, val_data, cfg) if len(val_data) else {}
+        progress.validated = progress.step
+        if val:
+            log.write(progress.step, "val", val)
+        if not val or val["loss"] < progress.best_val_loss:
+            progress.best_val_loss = val.get("loss", progress.best_val_loss)
+            best = {"state": snapshot(engine.module), "val": val}
+            if rank == 0:  # a job killed while saving leaves the previous best whole
+                torch.save(best, best_file.with_suffix(".tmp"))
+                os.replace(best_file.with_suffix(".tmp"), best_file)
+        return best
+
     end = total_steps if cfg.stop_at is None else min(cfg.stop_at, total_steps)
     if progress.step > end:
         raise RegraftError(checkpoints, f"the checkpoint is at step {progress.step}, past stop_at={end}",
@@ -239,17 +253,14 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             progress.epoch, progress.batch = progress.epoch + 1, 0
         if progress.step >= end and end < total_steps:
             return rung_stop(cfg, engine, target, val_data, save_checkpoint, bar)
-        val = validate(engine.module, target, val_data, cfg) if len(val_data) else {}
-        if val:
-            log.write(progress.step, "val", val)
-        if not val or val["loss"] < progress.best_val_loss:
-            progress.best_val_loss = val.get("loss", progress.best_val_loss)
-            best = {"state": snapshot(engine.module), "val": val}
-            if rank == 0:  # a job killed while saving leaves the previous best whole
-                torch.save(best, best_file.with_suffix(".tmp"))
-                os.replace(best_file.with_suffix(".tmp"), best_file)
+        best = validate_and_keep_best(best)
         if progress.step >= total_steps:
             break
+    # resumed from the checkpoint of the last step, which is taken before that step's validation
+    if progress.step >= end and end < total_steps:
+        return rung_stop(cfg, engine, target, val_data, save_checkpoint, bar)
+    if progress.step >= total_steps and progress.validated < progress.step:
+        best = validate_and_keep_best(best)
     bar.close()
     return best["state"], best["val"]
 
