@@ -26,7 +26,15 @@ from omegaconf import DictConfig, OmegaConf
 from stages.common.errors import RegraftError
 from stages.common.stage import compose_stage
 
-REFERENCE = re.compile(r"^@(?P<node>[a-z_]+)(?:/(?P<sub>.*))?$")
+# a data-parallel part is `features_3` (features.shards); a sweep's one DAG names a node that differs between
+# members `finetune#2` (pipelines/sweep.py)
+REFERENCE = re.compile(r"^@(?P<node>[a-z_]+(?:_[0-9]+)?(?:#[0-9]+)?)(?:/(?P<sub>.*))?$")
+PART = re.compile(r"(_[0-9]+)?(#[0-9]+)?$")
+
+
+def base_name(name: str) -> str:
+    """What a node is, without its part or sweep-member suffix: `features_3#2` -> `features`."""
+    return PART.sub("", name)
 PHASES = {"world": "setup", "source_map": "setup", "source_drafter": "setup", "regenerate": "prep", "diagnose": "prep", "probe": "0",
           "vocab_map": "prep", "compare": "prep", "remap": "prep", "features": "prep", "finetune": "1", "evaluate": "1",
           "baseline_finetune": "baseline", "baseline_evaluate": "baseline"}
@@ -40,7 +48,7 @@ class Node:
 
     @property
     def phase(self) -> str:
-        return PHASES.get(self.name, "race")  # a race's rung nodes are named by their candidates
+        return PHASES.get(base_name(self.name), "race")  # a race's rung nodes are named by their candidates
 
     @property
     def upstream(self) -> list[str]:
@@ -113,7 +121,7 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
         data = "@regenerate/regenerated.jsonl"
     if cfg.pipeline.probe:
         nodes.append(Node("probe", "probe", wired(cfg.probe, target=target, drafter=source)))
-    nodes.append(Node("vocab_map", "vocab_map", wired(cfg.vocab_map, tokenizer=target, data=data)))
+    nodes += data_parallel("vocab_map", wired(cfg.vocab_map, tokenizer=target, data=data))
     nodes.append(Node("compare", "compare", wired(cfg.compare, a=source, b="@vocab_map")))
     nodes.append(Node("remap", "remap", wired(cfg.remap, drafter=source, vocab_map="@vocab_map", verifier=target)))
     init = OmegaConf.to_container(cfg.finetune, enum_to_str=True)["init"]
@@ -124,7 +132,7 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
                                                         target_a=old_target, vocab_map="@vocab_map")))
     training = {"data": data}
     if cfg.pipeline.offline:
-        nodes.append(Node("features", "features", wired(cfg.features, target=target, data=data, drafter=source)))
+        nodes += data_parallel("features", wired(cfg.features, target=target, data=data, drafter=source))
         training = {"features": "@features", "data": None}
     runs = [("finetune", "evaluate", init)]
     if cfg.pipeline.baseline:
@@ -144,6 +152,21 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
         if "trust_remote_code" in node.config and not node.name.startswith("source_"):
             node.config.trust_remote_code = node.config.trust_remote_code or cfg.target.trust_remote_code
     return without_unused_setup(nodes)
+
+
+def data_parallel(name: str, config: DictConfig) -> list[Node]:
+    """One node, or `shards` part nodes (`name_0`, ...: each a job and a complete cached output of its own) and the
+    node that joins them (`name`, reading the parts in order), which is what downstream nodes read."""
+    if config.shards == 1:
+        return [Node(name, name, config)]
+    parts = []
+    for shard in range(config.shards):
+        part = config.copy()
+        part.shard = shard
+        parts.append(Node(f"{name}_{shard}", name, part))
+    join = config.copy()
+    join.parts = [f"@{part.name}" for part in parts]
+    return [*parts, Node(name, name, join)]
 
 
 SETUP = ("world", "source_map", "source_drafter")  # built only when a later node reads them

@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines.dag import Node
+from pipelines.dag import Node, base_name
 from pipelines.jobs import RankedStage, resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage, stage_module
 from stages.common.errors import RegraftError
 
@@ -53,9 +53,11 @@ class Launcher:
         self.cfg, self.folder = cfg, folder
 
     def resources(self, node: Node) -> dict[str, Any]:
-        """`launcher.per_stage.<node name>` over `launcher.resources`; both are resolved first, while their
-        interpolations (slurm's `${finetune.nproc}`) can still reach the root config."""
-        overrides = self.cfg.per_stage.get(node.name)
+        """`launcher.per_stage.<node name>` (or the name without its part or sweep-member suffix) over
+        `launcher.resources`; both are resolved first, while their interpolations (slurm's `${finetune.nproc}`)
+        can still reach the root config."""
+        per_stage = self.cfg.per_stage  # by node name, else what the node is (`features_3`, `finetune#2`)
+        overrides = per_stage.get(node.name) or per_stage.get(base_name(node.name))
         return OmegaConf.to_container(OmegaConf.merge(
             OmegaConf.to_container(self.cfg.resources, resolve=True),
             OmegaConf.to_container(overrides, resolve=True) if overrides else {}))
@@ -209,8 +211,9 @@ class LocalLauncher(SubmititLauncher):
 class SlurmLauncher(SubmititLauncher):
     """One Slurm job per stage through submitit, each submitted with `afterok` on its upstream jobs.
 
-    A stage with `tasks_per_node` (x `nodes`) > 1 runs as that many ranks (`pipelines.jobs.run_ranks`); the rank
-    count changes the global batch, so it must equal the stage's `nproc`, which is part of its cache key.
+    A stage with `tasks_per_node` (x `nodes`) > 1 runs as that many ranks (`pipelines.jobs.run_ranks`), rank 0's node
+    the rendezvous (submitit's MASTER_ADDR: the first host of the allocation); the rank layout changes the global
+    batch, so it must equal the stage's `nodes` x `nproc`, which are part of its cache key.
     Resumable stages (finetune) are submitted `--requeue` and checkpointable (`pipelines.jobs.Resumable`).
     Every submission is recorded in `<run>/jobs/submitted.jsonl` (node, job id, upstream ids, Slurm's
     `Dependency=` read back right after sbatch).
@@ -243,15 +246,21 @@ class SlurmLauncher(SubmititLauncher):
         return int(resources.get("tasks_per_node") or 1) * int(resources.get("nodes") or 1)
 
     def check(self, node: Node, config: dict[str, Any]) -> None:
-        """A multi-task job is one rank per task: only for a stage with ranks, and exactly `nproc` of them."""
-        tasks = self.tasks(node)
-        if tasks > 1 and "nproc" not in config:
-            raise RegraftError(None, f"{node.name} runs as one task, launcher.per_stage gives it {tasks}",
-                               f"set launcher.per_stage.{node.name}.tasks_per_node=1")
-        if tasks > 1 and config["nproc"] != tasks:
-            raise RegraftError(None, f"{node.name} would run as {tasks} Slurm tasks (ranks) but {node.stage}.nproc="
-                               f"{config['nproc']}; the rank count sets the global batch and belongs in the cache key",
-                               f"set {node.stage}.nproc={tasks}")
+        """A multi-task job is one rank per task: only for a stage with ranks, and exactly its `nodes` x `nproc`,
+        laid out as the stage says (the layout is in its cache key)."""
+        resources = self.resources(node)
+        per_node, nodes = int(resources.get("tasks_per_node") or 1), int(resources.get("nodes") or 1)
+        if per_node * nodes > 1 and "nproc" not in config:
+            raise RegraftError(None, f"{node.name} runs as one task, launcher.per_stage gives it {per_node * nodes}",
+                               f"set launcher.per_stage.{node.name}.tasks_per_node=1 and nodes=1")
+        if "nproc" not in config:
+            return
+        want = (int(config.get("nodes", 1)), int(config["nproc"]))
+        if (nodes, per_node) != want:
+            raise RegraftError(None, f"{node.name} would run as {nodes} node(s) x {per_node} Slurm tasks (ranks) but "
+                               f"{node.stage}.nodes={want[0]} x {node.stage}.nproc={want[1]}; the rank layout sets "
+                               "the global batch and belongs in the cache key",
+                               f"set {node.stage}.nodes={nodes} {node.stage}.nproc={per_node}")
 
     def submit(self, node: Node, config: DictConfig, after: list[Any]):
         from pipelines.jobs import Resumable, resumable, run_ranks

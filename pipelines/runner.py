@@ -99,9 +99,12 @@ def pending(nodes: list[Node], keys: dict[str, str], cache_root: Path) -> list[N
 
 def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tracker | None,
             console: Console, poll_s: float = 0.2, max_parallel: int | None = None,
-            keys: dict[str, str] | None = None, done: dict[str, NodeResult] | None = None) -> dict[str, NodeResult]:
+            keys: dict[str, str] | None = None, done: dict[str, NodeResult] | None = None,
+            failures: dict[str, str] | None = None) -> dict[str, NodeResult]:
     """`keys`: the nodes' cache keys when the caller has them already (keys_for). `done`: results of nodes run
-    before (a race's earlier rungs) that these may read; they are neither run nor tracked again."""
+    before (a race's earlier rungs) that these may read; they are neither run nor tracked again. `failures`: keep
+    going past a failed node (a sweep): its line is put there, every node downstream of it is cancelled or never
+    dispatched (`not run: X failed`), the rest run on; the results hold the nodes that finished."""
     done = done or {}
     check_graph(nodes, set(done))
     keys = keys or keys_for(nodes)
@@ -153,8 +156,29 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
             failed.node = name
             if tracker is not None and item.run_id:
                 tracker.finish_stage(item.run_id, None, failed.line, item.job.job_id, failed.log or "")
-            raise failed from None
+            if failures is None:
+                raise failed from None
+            failures[name] = failed.line
+            console.print(f"[red]{name:>18}[/red] failed: {failed.line} (log: {failed.log})", highlight=False)
+            drop_downstream(name)
+            return
         record(item.node, outcome, item.started, item.run_id, item.job.job_id)
+
+    def drop_downstream(failed: str) -> None:
+        """Everything that reads a failed node, directly or not: cancelled if submitted (a Slurm job waiting on
+        afterok would wait forever), else never dispatched."""
+        lost = {failed}
+        for node in nodes:  # topological order: one pass reaches every descendant
+            if node.name in lost or not lost & set(node.upstream):
+                continue
+            lost.add(node.name)
+            failures[node.name] = f"not run: {failed} failed"
+            if node.name in running:
+                item = running.pop(node.name)
+                launcher.cancel(item.job)
+                if tracker is not None and item.run_id:
+                    tracker.finish_stage(item.run_id, None, failures[node.name], item.job.job_id)
+        waiting[:] = [node for node in waiting if node.name not in lost]
 
     # an inline stage runs inside submit: Ctrl-C must reach it there
     bookkeeping = contextlib.nullcontext if launcher.in_process else Interrupts.held
@@ -165,7 +189,7 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
                     with bookkeeping():
                         dispatch(node)
             for name, item in list(running.items()):
-                if launcher.finished(item.job):
+                if name in running and launcher.finished(item.job):  # a failure may have cancelled it just now
                     with bookkeeping():
                         collect(name, item)
             show_progress(console, running, launcher)  # each running stage's latest log line (pipelines/progress.py)
@@ -182,5 +206,5 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
                 tracker.finish_stage(item.run_id, None, reason, item.job.job_id,
                                      status="KILLED" if interrupted else "FAILED")
         raise
-    return {node.name: results[node.name] for node in nodes}
+    return {node.name: results[node.name] for node in nodes if node.name in results}
 

@@ -58,6 +58,11 @@ class FeaturesConfig:
     backend: Backend = Backend.hf  # hf: transformers here | vllm: vLLM's extract_hidden_states (make venv-vllm)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     vllm_connector: str = "cpu"  # cpu: regraft's connector (a CPU build) | stock: vLLM's own (GPU)
+    # across nodes: the pipeline splits the data into this many contiguous parts, one job and one cached output
+    # each (`shard`), and joins them with a node that only indexes the parts (`parts`): no state is copied
+    shards: int = setting(1, at_least=1)
+    shard: Optional[int] = setting(None, at_least=0)  # this job's part of `shards`; None: all the data
+    parts: list[str] = field(default_factory=list)  # join: complete part outputs, in order; nothing is computed
     dtype: str = "float32"  # the target's dtype while it runs (the shards keep what it computes)
 
 
@@ -162,9 +167,54 @@ def extraction_rate(arrivals: list[tuple[float, int]]) -> dict[str, float]:
     return {"extract_tok_s": sum(tokens for _, tokens in arrivals[2:]) / (arrivals[-1][0] - arrivals[1][0])}
 
 
+def shard_rows(rows: dict[str, torch.Tensor], shard: int | None, shards: int) -> dict[str, torch.Tensor]:
+    """Part `shard` of `shards` contiguous parts: the parts in order are the whole data in order."""
+    if shard is None:
+        return rows
+    if shard >= shards:
+        raise RegraftError(f"shard={shard}", f"there are {shards} shards (0 to {shards - 1})",
+                           f"set shard= below {shards}")
+    count = rows["input_ids"].shape[0]
+    start, stop = shard * count // shards, (shard + 1) * count // shards
+    if start == stop:
+        raise RegraftError(f"shards={shards}", f"more shards than the {count} conversations",
+                           f"set shards= to at most {count}")
+    return {name: tensor[start:stop] for name, tensor in rows.items()}
+
+
+def join_parts(cfg: DictConfig) -> StageResult:
+    """An output that indexes complete part outputs (open_features streams their shards in order)."""
+    from stages.common.artifacts import read_manifest
+
+    manifests = [read_manifest(part) for part in cfg.parts]
+    for part, manifest in zip(cfg.parts, manifests):
+        if not (manifest and manifest.get("complete") and manifest.get("stage") == "features"):
+            raise RegraftError(part, "not a complete features output", "run its features job (shard) first")
+    same = ("aux_layer_ids", "aux_convention", "max_length", "last_hidden", "target")
+    for part, manifest in zip(cfg.parts[1:], manifests[1:]):
+        differs = [key for key in same if manifest.get(key) != manifests[0].get(key)]
+        if differs:
+            raise RegraftError(part, f"differs from {cfg.parts[0]} in {', '.join(differs)}",
+                               "join parts of one features run (same target, aux layers and max_length)")
+    summed = ("rows", "tokens", "shards", "bytes")
+    metrics = {key: sum(m["metrics"].get(key, 0) for m in manifests) for key in summed}
+    # each part's figure weighted by its rows (every row stores max_length positions)
+    metrics["bytes_per_token"] = sum(m["metrics"]["bytes_per_token"] * m["metrics"]["rows"] for m in manifests) \
+        / max(metrics["rows"], 1)
+    metrics["parts"] = len(cfg.parts)
+    with staged_output(cfg.out, "features", cfg) as staged:
+        staged.update(metrics=metrics, parts=[str(Path(part).absolute()) for part in cfg.parts],
+                      **{key: manifests[0][key] for key in same if key in manifests[0]})
+    return StageResult(Path(cfg.out), metrics, f"{metrics['rows']} conversations in {len(cfg.parts)} parts, "
+                       f"{metrics['bytes'] / 2 ** 20:.1f} MiB")
+
+
 def run(cfg: DictConfig) -> StageResult:
+    if cfg.parts:
+        return join_parts(cfg)
     layer_ids = aux_layers(cfg)
     rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
+    rows = shard_rows(rows, cfg.shard, cfg.shards)
     count = rows["input_ids"].shape[0]
     with staged_output(cfg.out, "features", cfg) as staged:
         writer = ShardWriter(staged.path, cfg.rows_per_shard, cfg.last_hidden)
@@ -177,7 +227,7 @@ def run(cfg: DictConfig) -> StageResult:
         stored = writer.close()
         metrics = {"rows": count, "tokens": int(rows["attention_mask"].sum()), **stored.metrics(), **timing,
                    **extraction_rate(arrivals)}
-        staged.update(metrics=metrics, aux_layer_ids=layer_ids, aux_convention=OUTPUT_OF_LAYER,
+        staged.update(metrics=metrics, aux_layer_ids=layer_ids, aux_convention=OUTPUT_OF_LAYER, shard=cfg.shard,
                       max_length=cfg.max_length, target=str(Path(cfg.target).absolute()),
                       last_hidden=LastHidden(cfg.last_hidden).value)
     return StageResult(Path(cfg.out), metrics, f"{count} conversations, {stored.shards} shards, "

@@ -96,11 +96,16 @@ def check_regenerate(cfg: DictConfig, where: str) -> None:
     if Engine(cfg.engine) is Engine.openai and not cfg.server_url:
         raise RegraftError(f"{prefix}server_url", "engine=openai needs a server",
                            f"set {prefix}server_url=http://HOST:PORT of a running SGLang or vLLM server")
-    if Engine(cfg.engine) is Engine.vllm:
-        check_engine(cfg.vllm, prefix)
     if Engine(cfg.engine) is Engine.vllm and cfg.extra_body:
         raise RegraftError(f"{prefix}extra_body", "is sent to servers only (engine=openai)",
                            f"drop {prefix}extra_body, or set {prefix}engine=openai")
+
+
+def check_regenerate_engine(cfg: DictConfig, where: str) -> None:
+    """Where the stage will run (pipeline.regenerate, or the stage alone): its engine venv exists. Not a schema
+    rule: every pipeline config holds a regenerate group, and one that never regenerates needs no vLLM."""
+    if Engine(cfg.engine) is Engine.vllm:
+        check_engine(cfg.vllm, f"{where}." if where else "")
 
 
 register_schema("regenerate", RegenerateConfig, check=check_regenerate)

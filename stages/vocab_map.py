@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -42,6 +43,11 @@ class VocabMapConfig:
     max_length: Optional[int] = setting(None, at_least=1)  # truncate each conversation to this many tokens, as training will
     batch_size: int = setting(256, at_least=1)  # conversations tokenized per batch
     trust_remote_code: bool = False  # run the tokenizer code in its folder (Kimi's tiktoken tokenizer needs it)
+    # across nodes: the pipeline splits the chats into this many contiguous parts, each counted by a job of its own
+    # (`shard`), and a join (`parts`) sums their counts and builds the map: the same map as counting at once
+    shards: int = setting(1, at_least=1)
+    shard: Optional[int] = setting(None, at_least=0)  # this job's part of `shards`; None: all the chats
+    parts: list[str] = field(default_factory=list)  # join: complete part outputs whose token_counts are summed
 
 
 register_schema("vocab_map", VocabMapConfig)
@@ -71,6 +77,38 @@ def count_assistant_tokens(tokenizer, conversations: Iterator[list[dict]], vocab
         progress.update(len(batch))
     progress.close()
     return TokenCounts(counts, seen, tokens_total)
+
+
+def conversations_of(data: Path, shard: int | None, shards: int) -> Iterator[list[dict]]:
+    """Part `shard` of `shards` contiguous parts of the chats (all of them for None), read lazily."""
+    if shard is None:
+        return read_conversations(data)
+    if shard >= shards:
+        raise RegraftError(f"shard={shard}", f"there are {shards} shards (0 to {shards - 1})",
+                           f"set shard= below {shards}")
+    count = sum(1 for _ in read_conversations(data))
+    return islice(read_conversations(data), shard * count // shards, (shard + 1) * count // shards)
+
+
+def summed_counts(parts: list[str], vocab_size: int) -> TokenCounts:
+    """The parts' counts added up: what counting all their chats at once gives."""
+    from safetensors.torch import load_file
+
+    from stages.common.artifacts import read_manifest
+
+    counts, conversations, tokens_total = torch.zeros(vocab_size, dtype=torch.int64), 0, 0
+    for part in parts:
+        manifest = read_manifest(part)
+        if not (manifest and manifest.get("complete") and manifest.get("stage") == "vocab_map"):
+            raise RegraftError(part, "not a complete vocab_map output", "run its vocab_map job (shard) first")
+        part_counts = load_file(Path(part) / VOCAB_MAP_FILE)["token_counts"]
+        if part_counts.shape[0] != vocab_size:
+            raise RegraftError(part, f"counts {part_counts.shape[0]} ids, this map {vocab_size}",
+                               "join parts counted with the same tokenizer and vocab_size")
+        counts += part_counts
+        conversations += manifest["metrics"]["conversations"]
+        tokens_total += manifest["metrics"]["tokens_total"]
+    return TokenCounts(counts, conversations, tokens_total)
 
 
 def resolve_vocab_size(cfg_vocab_size: int | None, tokenizer, tokenizer_dir: Path) -> tuple[int, str]:
@@ -113,7 +151,11 @@ def run(cfg: DictConfig) -> StageResult:
     if cfg.draft_vocab_size > vocab_size:
         raise RegraftError(f"draft_vocab_size={cfg.draft_vocab_size}", f"exceeds the target vocab ({vocab_size} ids, "
                            f"{vocab_size_source})", f"set draft_vocab_size= to at most {vocab_size}")
-    tally = count_assistant_tokens(tokenizer, read_conversations(data), vocab_size, cfg.batch_size, cfg.max_length)
+    if cfg.parts:
+        tally = summed_counts(list(cfg.parts), vocab_size)
+    else:
+        tally = count_assistant_tokens(tokenizer, conversations_of(data, cfg.shard, cfg.shards), vocab_size,
+                                       cfg.batch_size, cfg.max_length)
     if tally.conversations == 0:
         raise RegraftError(data, "is empty", 'give data= a JSONL file with one {"messages": [...]} per line')
     assistant_tokens = int(tally.counts.sum())
@@ -137,7 +179,8 @@ def run(cfg: DictConfig) -> StageResult:
         write_safetensors(staged.path / VOCAB_MAP_FILE, [spec_of("d2t", vocab_map.d2t), spec_of("t2d", vocab_map.t2d),
                           spec_of("token_counts", tally.counts)], metadata={"format": "pt"})
         save_coverage_plot(tally.counts, vocab_map.draft_vocab_size, staged.path / "coverage.png")
-        staged.update(metrics=metrics, vocab_size_source=vocab_size_source,
+        staged.update(metrics=metrics, vocab_size_source=vocab_size_source, shard=cfg.shard,
+                      parts=[str(Path(part).absolute()) for part in cfg.parts],
                       inputs={"tokenizer": str(tokenizer_dir.absolute()), "data": str(data.absolute())})
     headline = (f"{vocab_map.draft_vocab_size} draft ids cover {metrics['coverage']:.1%} "
                 f"of {assistant_tokens} assistant tokens")

@@ -1,4 +1,4 @@
-"""submitit jobs on a real single-node Slurm cluster (tests/slurm_cluster.py), watched by pipelines/slurm_jobs.py.
+"""submitit jobs on a real two-node Slurm cluster (tests/slurm_cluster.py), watched by pipelines/slurm_jobs.py.
 
 Needs root and Debian's Slurm packages (installed on first use); skipped when the cluster cannot come up.
     .venv/bin/python -m pytest -q tests/test_slurm.py -m "not slow"   # 25-50 s on 2 cores

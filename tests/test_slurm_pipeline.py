@@ -1,4 +1,4 @@
-"""The pipeline on a real single-node Slurm cluster (tests/slurm_cluster.py): `regraft launcher=slurm`.
+"""The pipeline on a real two-node Slurm cluster (tests/slurm_cluster.py): `regraft launcher=slurm`.
 
 One Slurm job per stage chained with afterok, a sweep that submits its shared stages once, a 2-task (2-rank)
 fine-tune equal to one rank with gradient accumulation 2, a fine-tune requeued twice (submitit's USR2 warning,
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -110,7 +112,8 @@ PREBUILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def sweep(slurm_cluster, tmp_path_factory):  # noqa: F811
-    """world, the source drafter and features in one plain process, then `regraft -m finetune.lr=A,B` on Slurm (member runs 0 and 1)."""
+    """world, the source drafter and features in one plain process, then `regraft -m finetune.lr=A,B` on Slurm (member
+    runs 0 and 1, one DAG: its jobs recorded in the sweep's own jobs folder)."""
     outputs = tmp_path_factory.mktemp("slurm_pipeline")
     done = subprocess.run([sys.executable, "-c", PREBUILD, f"paths.outputs={outputs}", *BASE], cwd=ROOT,
                           env=job_env(), capture_output=True, text=True, timeout=600)
@@ -120,44 +123,157 @@ def sweep(slurm_cluster, tmp_path_factory):  # noqa: F811
 
 
 def test_stages_run_as_slurm_jobs_chained_by_afterok(sweep):
-    _, (first, _) = sweep
-    jobs, stages = submitted(first), summary(first)
+    outputs, (first, second) = sweep
+    jobs = submitted(outputs / "sweeps" / "lr")
     upstream = {"vocab_map": [], "compare": ["vocab_map"], "remap": ["vocab_map"],
-                "finetune": ["vocab_map", "remap"], "evaluate": ["finetune"]}  # world ... features: cache hits
+                "finetune": ["vocab_map", "remap"], "evaluate": ["finetune"],  # world ... features: cache hits
+                "finetune#1": ["vocab_map", "remap"], "evaluate#1": ["finetune#1"]}  # member 1's own
     assert set(jobs) == set(upstream)
     for node, ups in upstream.items():
         want = sorted(jobs[up]["job_id"] for up in ups)
         assert sorted(jobs[node]["after"]) == want, node
         # what Slurm holds (scontrol show job, read right after sbatch): "afterok:12(unfulfilled),afterok:14(...)"
         assert sorted(re.findall(r"afterok:(\d+)", jobs[node]["dependency"])) == want, jobs[node]["dependency"]
-        assert stages[node]["job_id"] == jobs[node]["job_id"] and not stages[node]["hit"]
-    assert all(stages[node]["hit"] for node in ("world", "source_map", "source_drafter", "features"))
-    assert stages["evaluate"]["metrics"]["accept_len"] >= 1
+    for run, own in ((first, {"vocab_map": "vocab_map", "finetune": "finetune", "evaluate": "evaluate"}),
+                     (second, {"finetune": "finetune#1", "evaluate": "evaluate#1"})):
+        stages = summary(run)
+        for node, union_node in own.items():
+            assert stages[node]["job_id"] == jobs[union_node]["job_id"] and not stages[node]["hit"]
+        assert all(stages[node]["hit"] for node in ("world", "source_map", "source_drafter", "features"))
+        assert stages["evaluate"]["metrics"]["accept_len"] >= 1
 
 
 def test_sweep_submits_shared_stages_once(sweep):
-    _, (first, second) = sweep
-    assert set(submitted(second)) == {"finetune", "evaluate"}
-    assert len(job_folders(first)) == 5 and len(job_folders(second)) == 2  # one submitit folder per Slurm job
-    assert not set(job_folders(first)) & set(job_folders(second))
+    outputs, (first, second) = sweep
+    sweep_dir = outputs / "sweeps" / "lr"
+    assert len(job_folders(sweep_dir)) == len(submitted(sweep_dir)) == 7  # one submitit folder per Slurm job
     stages = summary(second)
     assert all(stages[node]["hit"] for node in ("world", "vocab_map", "compare", "remap", "features"))
     assert stages["finetune"]["out"] != summary(first)["finetune"]["out"]
 
 
-def test_two_task_finetune_matches_one_rank_with_accumulation(sweep, slurm_cluster):  # noqa: F811
+def test_one_dag_on_slurm_equals_the_sweep_member_by_member(sweep, slurm_cluster, tmp_path):  # noqa: F811
+    """The fixture's sweep (one DAG) against the same sweep with Hydra's basic launcher (member after member), in a
+    fresh outputs folder that starts from the same prebuilt world, source drafter and features."""
+    from mlflow.tracking import MlflowClient
+
+    outputs, runs = sweep
+    for node in ("world", "source_map", "source_drafter", "features"):
+        out = Path(summary(runs[0])[node]["out"])
+        shutil.copytree(out, tmp_path / "cache" / out.parent.name / out.name)
+    regraft(tmp_path, slurm_cluster, "lr", f"finetune.lr={','.join(SWEEP_LRS)}", "hydra/launcher=basic",
+            multirun=True)
+
+    def parents(folder: Path) -> dict[str, dict]:
+        client = MlflowClient(f"sqlite:///{folder}/mlflow.db")
+        experiment = client.get_experiment_by_name("regraft")
+        return {run.data.tags["member"]: run.data.metrics for run in client.search_runs([experiment.experiment_id])
+                if "mlflow.parentRunId" not in run.data.tags and run.data.tags.get("sweep") == "lr"}
+
+    untimed = lambda numbers: {k: v for k, v in numbers.items() if "seconds" not in k and "tok_s" not in k}
+    for k, ours in enumerate(runs):
+        theirs = json.loads((tmp_path / "sweeps" / "lr" / str(k) / "summary.json").read_text())
+        mine = json.loads((ours / "summary.json").read_text())
+        assert untimed(mine["numbers"]) == pytest.approx(untimed(theirs["numbers"]), rel=1e-6)
+        assert {n: s["hit"] for n, s in mine["stages"].items()} == {n: s["hit"] for n, s in theirs["stages"].items()}
+    ours, theirs = parents(outputs), parents(tmp_path)
+    assert ours.keys() == theirs.keys() == {"0", "1"}
+    for member in ours:
+        assert untimed(ours[member]) == pytest.approx(untimed(theirs[member]), rel=1e-6)
+
+
+def test_a_sweep_has_all_its_finetunes_queued_at_once(sweep, slurm_cluster):  # noqa: F811
+    """Submitted up front with afterok: the four fine-tunes of a 4-member sweep are in Slurm's queue together."""
+    outputs, _ = sweep
+    lrs = ("1e-3", "4e-3", "6e-3", "7e-3")  # none another test here uses
+    argv = regraft_argv(outputs, slurm_cluster, "four", f"finetune.lr={','.join(lrs)}", multirun=True)
+    process = subprocess.Popen(argv, cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        def queued() -> list[str]:
+            names = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True).stdout.split()
+            found = [name for name in names if name.startswith("regraft-finetune")]
+            return found if len(found) == 4 else []
+
+        assert sorted(wait_until("four fine-tunes queued at once", queued, timeout_s=300)) == \
+            ["regraft-finetune", "regraft-finetune#1", "regraft-finetune#2", "regraft-finetune#3"]
+        output, _ = process.communicate(timeout=900)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    runs = [outputs / "sweeps" / "four" / str(k) for k in range(4)]
+    losses = [summary(run)["finetune"]["metrics"]["val_loss"] for run in runs]
+    assert len(set(losses)) == 4  # four fine-tunes, each its own lr
+
+
+def node_list(job_id: str) -> str:
+    """The nodes Slurm gave a job (kept MinJobAge seconds after it ends)."""
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
+    return re.search(r" NodeList=(\S+)", shown)[1]
+
+
+def test_rank_layouts_agree_one_rank_two_tasks_two_nodes(sweep, slurm_cluster):  # noqa: F811
+    """One global batch three ways: 1 rank x accumulation 2 (the sweep's member), 1 node x 2 tasks, 2 nodes x 1
+    task (rendezvous on the allocation's first node); each a cache key of its own."""
     outputs, (first, _) = sweep
-    regraft(outputs, slurm_cluster, "two_ranks", f"finetune.lr={SWEEP_LRS[0]}", "finetune.nproc=2",
-            "finetune.deepspeed.gradient_accumulation_steps=1", "pipeline.evaluate=false")
-    run = outputs / "runs" / "two_ranks"
-    jobs = submitted(run)
-    assert set(jobs) == {"finetune"} and jobs["finetune"]["tasks"] == 2
-    folder = run / "jobs" / jobs["finetune"]["job_id"]
-    assert sorted(p.name for p in folder.glob("*_result.pkl")) == [f"{folder.name}_{k}_result.pkl" for k in (0, 1)]
-    two, one = summary(run)["finetune"], summary(first)["finetune"]  # one rank, accumulation 2, same global batch
-    assert two["metrics"]["val_loss"] == pytest.approx(one["metrics"]["val_loss"], rel=1e-4)
-    steps = [json.loads(line) for line in (Path(two["out"]) / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in steps if m["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+    one = summary(first)["finetune"]
+    for name, nodes, nproc in (("two_tasks", 1, 2), ("two_nodes", 2, 1)):
+        regraft(outputs, slurm_cluster, name, f"finetune.lr={SWEEP_LRS[0]}", f"finetune.nproc={nproc}",
+                f"finetune.nodes={nodes}", "finetune.deepspeed.gradient_accumulation_steps=1",
+                "pipeline.evaluate=false")
+        run = outputs / "runs" / name
+        jobs = submitted(run)
+        assert set(jobs) == {"finetune"} and jobs["finetune"]["tasks"] == 2
+        assert node_list(jobs["finetune"]["job_id"]) == ("n[1-2]" if nodes == 2 else node_list(
+            jobs["finetune"]["job_id"]))
+        folder = run / "jobs" / jobs["finetune"]["job_id"]
+        assert sorted(p.name for p in folder.glob("*_result.pkl")) == [f"{folder.name}_{k}_result.pkl" for k in (0, 1)]
+        two = summary(run)["finetune"]
+        assert two["key"] != one["key"]  # the rank layout is in the cache key
+        assert two["metrics"]["val_loss"] == pytest.approx(one["metrics"]["val_loss"], rel=1e-4), name
+        steps = [json.loads(line) for line in (Path(two["out"]) / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in steps if m["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_feature_shards_across_nodes_rerun_only_the_cancelled_one(sweep, slurm_cluster):  # noqa: F811
+    """features.shards=4 on 2 nodes: four jobs, each a cached output; one cancelled, the rerun computes only it, and
+    the joined features equal the unsharded ones (the sweep's, cached by the fixture)."""
+    from stages.common.artifacts import read_manifest
+    from stages.common.feature_shards import load_features
+
+    outputs, (first, _) = sweep
+    shards = ["features.shards=4", "pipeline.evaluate=false", f"finetune.lr={SWEEP_LRS[0]}"]
+    late = "+launcher.per_stage.features_2={additional_parameters: {begin: now+600}}"  # not in any cache key
+    process, log = run_in_background(outputs, slurm_cluster, "shards", *shards, late)
+    try:
+        run = outputs / "runs" / "shards"
+        names = {f"features_{k}" for k in range(4)}
+        jobs = wait_until("the four shards submitted", lambda: process.poll() is None and (
+            run / "jobs" / "submitted.jsonl").exists() and names <= set(submitted(run)) and submitted(run))
+        late_job = jobs["features_2"]["job_id"]
+        others = [jobs[f"features_{k}"]["job_id"] for k in (0, 1, 3)]
+        wait_until("the other shards done", lambda: all(job_state(job) == "COMPLETED" for job in others))
+        nodes = {node_list(job) for job in others}
+        subprocess.run(["scancel", late_job], check=True, capture_output=True)
+        assert process.wait(timeout=120) == 1, log.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert nodes == {"n1", "n2"}  # the shards ran on both nodes
+    assert f"Slurm job {late_job} ended CANCELLED" in log.read_text()
+    regraft(outputs, slurm_cluster, "shards_again", *shards)
+    again = submitted(outputs / "runs" / "shards_again")
+    assert {name for name in again if name.startswith("features")} == {"features_2", "features"}  # + the join
+    stages = summary(outputs / "runs" / "shards_again")
+    assert all(stages[f"features_{k}"]["hit"] for k in (0, 1, 3))
+    whole = summary(first)["features"]["out"]
+    manifest = read_manifest(whole)
+    a = load_features(whole, manifest["aux_layer_ids"], manifest["max_length"])
+    b = load_features(stages["features"]["out"], manifest["aux_layer_ids"], manifest["max_length"])
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    assert stages["finetune"]["metrics"]["val_loss"] == pytest.approx(
+        summary(first)["finetune"]["metrics"]["val_loss"], rel=1e-6)  # the fine-tune reads the same rows
 
 
 def run_in_background(outputs: Path, cluster, name: str, *overrides: str) -> tuple[subprocess.Popen, Path]:
@@ -188,16 +304,19 @@ def train_steps(metrics: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster):  # noqa: F811
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster, nodes):  # noqa: F811
     from mlflow.tracking import MlflowClient
 
     outputs, _ = sweep
     before = set((outputs / "cache" / "finetune").glob("*.checkpoints"))
-    process, log = run_in_background(outputs, slurm_cluster, "requeue", "finetune.lr=5e-3", "finetune.max_steps=null",
+    process, log = run_in_background(outputs, slurm_cluster, f"requeue{nodes}", "finetune.lr=5e-3",
+                                     "finetune.max_steps=null", f"finetune.nodes={nodes}",
+                                     f"finetune.epochs={2 * nodes}",  # two ranks take half the steps an epoch
                                      "finetune.deepspeed.gradient_accumulation_steps=1", "finetune.checkpoint_every=1",
                                      "pipeline.evaluate=false")
     try:
-        run = outputs / "runs" / "requeue"
+        run = outputs / "runs" / f"requeue{nodes}"
         job_id = finetune_job(run)
         work = wait_until("the finetune's work folder", lambda: next(
             iter(set((outputs / "cache" / "finetune").glob("*.checkpoints")) - before), None))
@@ -220,12 +339,14 @@ def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster)
     assert len(resumes) == 2 and 1 <= resumes[0] < resumes[1], resumes
     assert job_log.read_text().count("DUE TO JOB REQUEUE") >= 2
     stages = summary(run)
-    total = 18  # 36 training chats / micro-batches of 4, 2 epochs
+    per_epoch = 36 // (4 * nodes)  # 36 training chats in global batches of 4 x ranks
+    total = per_epoch * 2 * nodes
     assert train_steps(Path(stages["finetune"]["out"]) / "metrics.jsonl") == list(range(1, total + 1))
     client = MlflowClient(f"sqlite:///{outputs}/mlflow.db")
     experiment = client.get_experiment_by_name("regraft")
     [child] = client.search_runs([experiment.experiment_id], f"tags.job_id = '{job_id}'")
-    for key, steps in (("train/loss", list(range(1, total + 1))), ("val/loss", [total // 2, total])):
+    for key, steps in (("train/loss", list(range(1, total + 1))),
+                       ("val/loss", list(range(per_epoch, total + 1, per_epoch)))):
         history = client.get_metric_history(child.info.run_id, key)
         assert sorted(m.step for m in history) == steps, key  # each step once: none repeated, none missing
 
@@ -268,14 +389,15 @@ def test_sigterm_to_regraft_cancels_its_slurm_jobs(sweep, slurm_cluster):  # noq
 def test_ranks_must_match_the_stages_nproc():
     """The rank count sets the global batch, so it comes from the stage config (its cache key), not the launcher."""
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        root = compose("config", overrides=["launcher=slurm", "finetune.nproc=4"])
+        root = compose("config", overrides=["launcher=slurm", "finetune.nproc=4", "finetune.nodes=2"])
     resources = SlurmLauncher(root.launcher, Path("unused")).resources(Node("finetune", "finetune", root.finetune))
-    assert resources["tasks_per_node"] == resources["gpus_per_node"] == 4
+    assert resources["tasks_per_node"] == resources["gpus_per_node"] == 4 and resources["nodes"] == 2
     cfg = OmegaConf.create({"name": "slurm", "poll_s": 1.0, "resources": {"tasks_per_node": 1},
                             "per_stage": {"finetune": {"tasks_per_node": 2}}})
     launcher = SlurmLauncher(cfg, Path("unused"))
     node = Node("finetune", "finetune", OmegaConf.create({"nproc": 1}))
-    with pytest.raises(RegraftError, match=r"finetune would run as 2 Slurm tasks .* \(fix: set finetune.nproc=2\)"):
+    says = r"finetune would run as 1 node\(s\) x 2 Slurm tasks .* \(fix: set finetune.nodes=1 finetune.nproc=2\)"
+    with pytest.raises(RegraftError, match=says):
         launcher.submit(node, OmegaConf.create({"nproc": 1, "out": "x"}), [])
     vocab = Node("vocab_map", "vocab_map", OmegaConf.create({}))
     launcher.cfg.per_stage["vocab_map"] = {"tasks_per_node": 2}

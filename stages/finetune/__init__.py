@@ -110,13 +110,19 @@ class FinetuneConfig:
     resume: bool = True  # continue from the latest checkpoint in checkpoint_dir
     seed: int = 0
     spawn: Spawn = Spawn.inprocess
-    nproc: int = setting(1, at_least=1)  # ranks; with micro_batch_size and gradient accumulation it sets the global batch
+    # ranks per node, on `nodes` nodes (launcher=slurm: --nodes, one task per rank; gloo on CPU, NCCL on GPU);
+    # nodes x nproc ranks, micro_batch_size and gradient accumulation set the global batch
+    nproc: int = setting(1, at_least=1)
+    nodes: int = setting(1, at_least=1)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 def check_ranks(cfg: DictConfig | dict, stage: str = "finetune") -> None:
     """The rank count this machine's spawn mode can start (a job's ranks on Slurm are its tasks instead)."""
+    if cfg.get("nodes", 1) != 1:
+        raise RegraftError(f"{stage}.nodes={cfg['nodes']}", "this launcher runs a stage on this one machine",
+                           "run on Slurm (launcher=slurm), which gives a fine-tune one task per rank across nodes")
     if Spawn(cfg["spawn"]) is Spawn.inprocess and cfg["nproc"] != 1:
         raise RegraftError(f"{stage}.nproc={cfg['nproc']}", "spawn=inprocess runs one rank",
                            f"set {stage}.spawn=torchrun (or deepspeed) for {cfg['nproc']} ranks")

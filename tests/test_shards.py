@@ -1,0 +1,62 @@
+"""Data-parallel stages (features.shards, vocab_map.shards): K part nodes, each a cached output of its own, and a
+join that reads them in order, equal to one unsharded run; a join refuses parts that are not of one run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from rich.console import Console
+from safetensors.torch import load_file
+
+import pipelines.regraft  # noqa: F401  (registers every schema)
+from pipelines.dag import build_nodes
+from pipelines.launchers import InlineLauncher
+from pipelines.runner import run_dag
+from stages import features
+from stages.common.artifacts import read_manifest
+from stages.common.errors import RegraftError
+from stages.common.feature_shards import load_features
+from stages.common.stage import CONF_DIR, compose_stage
+
+
+def prepared(outputs: Path, shards: int) -> dict:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"paths.outputs={outputs}", "debug=tiny", f"features.shards={shards}",
+                                           f"vocab_map.shards={shards}", "features.rows_per_shard=7"])
+    nodes = [node for node in build_nodes(cfg) if node.stage in ("world", "vocab_map", "features")
+             or node.name.startswith("source_")]
+    return run_dag(nodes, Path(cfg.paths.cache), InlineLauncher(cfg.launcher, outputs / "jobs"), None,
+                   Console(quiet=True))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict]:
+    outputs = tmp_path_factory.mktemp("shards")
+    return prepared(outputs, 1), prepared(outputs, 3)
+
+
+def test_sharded_stages_equal_one_unsharded_run(runs):
+    whole, parts = runs
+    assert {"features_0", "features_1", "features_2", "vocab_map_0", "vocab_map_2"} <= set(parts)
+    assert not {"features_0", "vocab_map_0"} & set(whole)
+    a, b = (load_file(Path(run["vocab_map"].out) / "vocab_map.safetensors") for run in runs)
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)  # summed counts, same map
+    manifest = read_manifest(whole["features"].out)
+    rows = [load_features(run["features"].out, manifest["aux_layer_ids"], manifest["max_length"]) for run in runs]
+    assert all(torch.equal(rows[0][name], rows[1][name]) for name in rows[0])
+    sizes = [part.metrics["rows"] for name, part in parts.items() if name.startswith("features_")]
+    assert sum(sizes) == whole["features"].metrics["rows"] == parts["features"].metrics["rows"] and min(sizes) > 0
+    joined = read_manifest(parts["features"].out)
+    assert joined["metrics"]["parts"] == 3 and joined["metrics"]["bytes"] == sum(
+        read_manifest(parts[f"features_{k}"].out)["metrics"]["bytes"] for k in range(3))
+
+
+def test_a_join_refuses_parts_of_other_runs(runs, tmp_path):
+    whole, parts = runs
+    other = compose_stage("features", [f"target={whole['features'].out}", "data=x", f"out={tmp_path / 'j'}",
+                                       f"parts=[{parts['features_0'].out},{parts['vocab_map'].out}]"])
+    with pytest.raises(RegraftError, match="not a complete features output"):
+        features.run(other)
+    assert not (tmp_path / "j").exists()

@@ -1,0 +1,92 @@
+"""A sweep is one DAG (pipelines/sweep.py, hydra_plugins/regraft_launcher): the same numbers, hits and MLflow runs
+as the sweep run member by member (Hydra's basic launcher), each shared stage run once, and a failing member
+leaves the others to finish and says why in one line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_bad_inputs import mlflow_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["debug=tiny", "pipeline.probe=false", "finetune.max_steps=6"]
+
+
+def sweep(outputs: Path, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pipelines.regraft", "-m", f"paths.outputs={outputs}",
+               f"hydra.sweep.dir={outputs}/sweep", *TINY, *overrides]
+    return subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=900)
+
+
+def members(outputs: Path) -> list[dict]:
+    paths = sorted((outputs / "sweep").glob("*/summary.json"), key=lambda path: int(path.parent.name))
+    return [json.loads(path.read_text()) for path in paths]
+
+
+def parents(outputs: Path) -> dict[str, dict[str, float]]:
+    """Each member's parent run: its metrics, by member number."""
+    return {run.data.tags["member"]: run.data.metrics for run in mlflow_runs(outputs)
+            if "mlflow.parentRunId" not in run.data.tags}
+
+
+def swept(overrides: list[str]) -> list[str]:
+    return [override for override in overrides if not override.startswith(("paths.", "hydra."))]
+
+
+def untimed(numbers: dict) -> dict:
+    return {key: value for key, value in numbers.items() if "seconds" not in key and "tok_s" not in key}
+
+
+@pytest.mark.long  # tests/test_slurm_pipeline.py holds the same comparison on Slurm in the default run
+def test_one_dag_equals_the_sweep_member_by_member(tmp_path):
+    grid = ["finetune.lr=1e-3,3e-3"]
+    one = sweep(tmp_path / "one", *grid)
+    assert one.returncode == 0, one.stdout[-3000:]
+    basic = sweep(tmp_path / "basic", *grid, "hydra/launcher=basic")
+    assert basic.returncode == 0, basic.stdout[-3000:]
+    ours, theirs = members(tmp_path / "one"), members(tmp_path / "basic")
+    assert len(ours) == 2
+    for a, b in zip(ours, theirs, strict=True):
+        assert swept(a["overrides"]) == swept(b["overrides"])
+        assert untimed(a["numbers"]) == pytest.approx(untimed(b["numbers"]), rel=1e-6)
+        assert {name: stage["hit"] for name, stage in a["stages"].items()} == \
+            {name: stage["hit"] for name, stage in b["stages"].items()}  # later members find shared stages done
+    ran = [(stage["stage"], stage["key"]) for member in ours for stage in member["stages"].values()
+           if not stage["hit"]]
+    assert len(ran) == len(set(ran))  # every stage output computed once across the whole sweep
+    ours_runs, theirs_runs = parents(tmp_path / "one"), parents(tmp_path / "basic")
+    assert ours_runs.keys() == theirs_runs.keys() == {"0", "1"}
+    for member, metrics in ours_runs.items():
+        assert untimed(metrics) == pytest.approx(untimed(theirs_runs[member]), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_failing_member_leaves_the_others_to_finish(tmp_path):
+    from tests.conftest import write_chats
+
+    users_only = tmp_path / "users_only.jsonl"
+    write_chats(users_only, [[("user", "alpha bravo")], [("user", "charlie")]] * 8)
+    done = sweep(tmp_path, f"data.train='@world/data_b.jsonl',{users_only}")
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert done.returncode == 1, lines[-8:]
+    good, bad = members(tmp_path)
+    assert "failed" not in good and good["numbers"]["accept_len/phase1"] >= 1.0
+    assert bad["failed"].startswith("vocab_map: ") and "no assistant tokens" in bad["failed"]
+    said = [line for line in lines if line.startswith("member 1 ")]
+    assert len(said) == 1 and "failed at vocab_map: " in said[0], lines[-8:]
+    status = {run.data.tags["member"]: run.info.status for run in mlflow_runs(tmp_path)
+              if "mlflow.parentRunId" not in run.data.tags}
+    assert status == {"0": "FINISHED", "1": "FAILED"}
+
+
+def test_members_on_two_launchers_are_refused_before_any_work(tmp_path):
+    done = sweep(tmp_path, "launcher=local,inline")
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert done.returncode == 1, lines[-5:]
+    assert lines[-1].startswith("error: launcher: differs between sweep members 0 and 1") and "(fix: " in lines[-1]
+    assert not (tmp_path / "cache").exists()
