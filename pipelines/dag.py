@@ -117,7 +117,7 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
     if cfg.source.build is not None:
         nodes += source_nodes(cfg.source.build)
     if cfg.pipeline.regenerate:  # the new target's own answers replace the data's for everything that trains
-        nodes.append(Node("regenerate", "regenerate", wired(cfg.regenerate, target=target, data=data)))
+        nodes += data_parallel("regenerate", wired(cfg.regenerate, target=target, data=data))
         data = "@regenerate/regenerated.jsonl"
     if cfg.pipeline.probe:
         nodes.append(Node("probe", "probe", wired(cfg.probe, target=target, drafter=source)))

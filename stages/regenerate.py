@@ -50,7 +50,7 @@ from typing import Any, Iterable, Optional
 from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
-from stages.common.artifacts import plain_config, staged_output
+from stages.common.artifacts import plain_config, read_manifest, staged_output
 from stages.common.chat import batched, load_tokenizer, read_chat_records
 from stages.common.chat_prompts import context_length, prompt_ids, stop_ids
 from stages.common.errors import RegraftError
@@ -88,6 +88,11 @@ class RegenerateConfig:
     dtype: str = "auto"  # vllm: the engine's dtype (auto: the target's own)
     trust_remote_code: bool = False  # vllm: run the tokenizer code in the target's folder (Kimi's)
     work_dir: Optional[str] = None  # finished samples across kills; None: <out>.work
+    # across nodes: the pipeline splits the samples into this many contiguous parts, one job and one cached output
+    # each (`shard`), and a join (`parts`) writes their lines in order: the same files as one job would
+    shards: int = setting(1, at_least=1)
+    shard: Optional[int] = setting(None, at_least=0)  # this job's part of `shards`; None: all the samples
+    parts: list[str] = field(default_factory=list)  # join: complete part outputs, in order; nothing is asked
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
@@ -173,6 +178,20 @@ def read_samples(path: Path, limit: int | None) -> list[Sample]:
     if not samples:
         raise RegraftError(path, "holds no conversations", 'give data= a JSONL file of {"messages": [...]} lines')
     return samples
+
+
+def shard_of(samples: list[Sample], shard: int | None, shards: int) -> list[Sample]:
+    """Part `shard` of `shards` contiguous parts: the parts in order are all the samples in order. Ids are taken
+    over the whole file first, so a sample keeps its id (and its seed) whichever part asks it."""
+    if shard is None:
+        return samples
+    if shard >= shards:
+        raise RegraftError(f"shard={shard}", f"there are {shards} shards (0 to {shards - 1})",
+                           f"set shard= below {shards}")
+    if shards > len(samples):
+        raise RegraftError(f"shards={shards}", f"more shards than the {len(samples)} samples",
+                           f"set shards= to at most {len(samples)}")
+    return samples[shard * len(samples) // shards:(shard + 1) * len(samples) // shards]
 
 
 def answered(sample: Sample, answers: list[dict], tokens: int) -> dict:
@@ -394,15 +413,45 @@ def write_outputs(samples: list[Sample], records: dict[str, dict], out: Path) ->
             "turns": counts["turns"], "tokens": counts["tokens"]}
 
 
+def join_parts(cfg: DictConfig) -> StageResult:
+    """The parts' lines in order, their counts summed: what one job asking every sample writes."""
+    manifests = [read_manifest(part) for part in cfg.parts]
+    for part, manifest in zip(cfg.parts, manifests):
+        if not manifest or manifest.get("stage") != "regenerate":
+            raise RegraftError(part, "not a complete regenerate output", "run its regenerate job (shard) first")
+    for part, manifest in zip(cfg.parts[1:], manifests[1:]):
+        if manifest["model"] != manifests[0]["model"]:
+            raise RegraftError(part, f"was answered by {manifest['model']}, {cfg.parts[0]} by "
+                               f"{manifests[0]['model']}", "join the parts of one regenerate run")
+    with staged_output(cfg.out, "regenerate", cfg) as staged:
+        for name in ("regenerated.jsonl", "rejects.jsonl"):
+            with (staged.path / name).open("wb") as joined:
+                for part in cfg.parts:
+                    with (Path(part) / name).open("rb") as lines:
+                        shutil.copyfileobj(lines, joined)
+        counted = ("samples", "answered", "rejected", "turns", "tokens", "seconds", "resumed")
+        metrics = {key: sum(manifest["metrics"][key] for manifest in manifests) for key in counted}
+        model = manifests[0]["model"]
+        headline = (f"{metrics['answered']} of {metrics['samples']} samples answered by {model} "
+                    f"({metrics['rejected']} rejected) in {len(cfg.parts)} shards, {metrics['tokens']} tokens")
+        staged.update(metrics=metrics, headline=headline, model=model,
+                      parts=[str(Path(part).absolute()) for part in cfg.parts],
+                      inputs={"data": str(Path(cfg.data).absolute()), "engine": Engine(cfg.engine).value})
+    return StageResult(Path(cfg.out), metrics, headline)
+
+
 def run(cfg: DictConfig) -> StageResult:
     check_regenerate(cfg, "")
+    if cfg.parts:
+        return join_parts(cfg)
     engine = Engine(cfg.engine)
     if engine is Engine.vllm and not cfg.target:
         raise RegraftError("target", "engine=vllm needs the target model", "set target= to the model folder")
-    samples = read_samples(Path(cfg.data), cfg.num_samples)
+    samples = shard_of(read_samples(Path(cfg.data), cfg.num_samples), cfg.shard, cfg.shards)
     model = server_model(cfg, cfg.server_url.rstrip("/")) if engine is Engine.openai \
         else str(Path(cfg.target).absolute())
-    log = WorkLog(Path(cfg.work_dir or f"{cfg.out}.work"), settings(cfg, model))
+    work_dir = f"{cfg.work_dir}.shard{cfg.shard}" if cfg.work_dir and cfg.shard is not None else cfg.work_dir
+    log = WorkLog(Path(work_dir or f"{cfg.out}.work"), settings(cfg, model))
     resumed = sum(sample.id in log.records for sample in samples)
     start = time.perf_counter()
     try:
@@ -424,7 +473,7 @@ def run(cfg: DictConfig) -> StageResult:
             shutil.copy(log.folder / "engine.log", staged.path / "engine.log")
         headline = (f"{metrics['answered']} of {metrics['samples']} samples answered by {model} "
                     f"({metrics['rejected']} rejected), {metrics['tokens']} tokens")
-        staged.update(metrics=metrics, headline=headline, model=model,
+        staged.update(metrics=metrics, headline=headline, model=model, shard=cfg.shard,
                       inputs={"data": str(Path(cfg.data).absolute()), "engine": engine.value})
     shutil.rmtree(log.folder, ignore_errors=True)
     return StageResult(Path(cfg.out), metrics, headline)

@@ -1,4 +1,4 @@
-"""Data-parallel stages (features.shards, vocab_map.shards): K part nodes, each a cached output of its own, and a
+"""Data-parallel stages (features.shards, vocab_map.shards, regenerate.shards): K part nodes, each a cached output of its own, and a
 join that reads them in order, equal to one unsharded run; a join refuses parts that are not of one run."""
 from __future__ import annotations
 
@@ -60,3 +60,25 @@ def test_a_join_refuses_parts_of_other_runs(runs, tmp_path):
     with pytest.raises(RegraftError, match="not a complete features output"):
         features.run(other)
     assert not (tmp_path / "j").exists()
+
+
+def test_regenerate_shards_are_parts_and_a_join_that_training_reads(tmp_path):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"paths.outputs={tmp_path}", "debug=tiny", "pipeline.regenerate=true",
+                                           "regenerate.shards=2"])
+    nodes = {node.name: node for node in build_nodes(cfg)}
+    assert [nodes[f"regenerate_{k}"].config.shard for k in range(2)] == [0, 1]
+    assert list(nodes["regenerate"].config.parts) == ["@regenerate_0", "@regenerate_1"]
+    assert nodes["vocab_map"].config.data == "@regenerate/regenerated.jsonl"
+    assert set(nodes["vocab_map"].upstream) >= {"regenerate"}
+
+
+def test_a_shard_past_the_samples_is_refused_with_the_fix(tmp_path):
+    from stages import regenerate
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    cfg = compose_stage("regenerate", [f"data={data}", f"out={tmp_path / 'out'}", "engine=openai",
+                                       "server_url=http://127.0.0.1:9", "shards=2", "shard=0"])
+    with pytest.raises(RegraftError, match="more shards than the 1 samples"):
+        regenerate.run(cfg)
