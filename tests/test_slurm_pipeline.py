@@ -303,6 +303,9 @@ def train_steps(metrics: Path) -> list[int]:
     return [m["step"] for m in lines if m["split"] == "train"]
 
 
+EPOCHS = 4  # per node: 36 steps on one rank, 32 on two
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster, nodes):  # noqa: F811
@@ -312,7 +315,9 @@ def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster,
     before = set((outputs / "cache" / "finetune").glob("*.checkpoints"))
     process, log = run_in_background(outputs, slurm_cluster, f"requeue{nodes}", "finetune.lr=5e-3",
                                      "finetune.max_steps=null", f"finetune.nodes={nodes}",
-                                     f"finetune.epochs={2 * nodes}",  # two ranks take half the steps an epoch
+                                     # two ranks take half the steps an epoch; enough steps are left after the
+                                     # first resume that the second requeue always lands mid-training
+                                     f"finetune.epochs={EPOCHS * nodes}",
                                      "finetune.deepspeed.gradient_accumulation_steps=1", "finetune.checkpoint_every=1",
                                      "pipeline.evaluate=false")
     try:
@@ -340,7 +345,7 @@ def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster,
     assert job_log.read_text().count("DUE TO JOB REQUEUE") >= 2
     stages = summary(run)
     per_epoch = 36 // (4 * nodes)  # 36 training chats in global batches of 4 x ranks
-    total = per_epoch * 2 * nodes
+    total = per_epoch * EPOCHS * nodes
     assert train_steps(Path(stages["finetune"]["out"]) / "metrics.jsonl") == list(range(1, total + 1))
     client = MlflowClient(f"sqlite:///{outputs}/mlflow.db")
     experiment = client.get_experiment_by_name("regraft")
