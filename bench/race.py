@@ -1,7 +1,7 @@
 """The race against its reference: the decision successive halving makes, the ranking every candidate trained to the
 full budget gives, and the share of that full compute the race spent, in the default world and the drifted one.
 
-    .venv/bin/python bench/race.py                      # default sizes: both worlds
+    .venv/bin/python bench/race.py                      # default sizes: both worlds, about 10 minutes
     .venv/bin/python bench/race.py --tiny               # debug=race (tests/test_race.py's sizes): about 2 minutes
     .venv/bin/python bench/race.py --world-override world.rotate_b=1 --budget 48
 
@@ -43,6 +43,15 @@ def race_world(outputs: Path, overrides: list[str], console: Console) -> tuple[d
     return done.summary["race"], every_candidate_to_the_end(cfg, run_rungs)
 
 
+def family_of(label: str) -> str:
+    """The answer to transfer-or-scratch a candidate label ("remap lr=0.003") stands for."""
+    return "scratch" if label.startswith("scratch") else "transfer"
+
+
+def yes_or_no(agrees: bool, answer: str) -> str:
+    return f"yes ({answer})" if agrees else f"NO ({answer})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--outputs", type=Path, default=Path("outputs/bench_race"))
@@ -56,13 +65,16 @@ def main() -> None:
     common = (["debug=race"] if args.tiny else []) + \
         ([f"race.budget_steps={args.budget}"] if args.budget else [])
     table = Table(title="race vs every candidate to the end (ranked by val loss)", title_justify="left")
-    for column in ("world", "race winner", "full-budget ranking (val loss)", "agree", "compute spent"):
+    columns = ("world", "race winner", "full-budget ranking (val loss)", "same candidate", "same answer",
+               "compute spent")
+    for column in columns:
         table.add_column(column)
     for name, overrides in worlds.items():
         race, ranking = race_world(args.outputs / name, [*common, *overrides], console)
         console.print(f"{name}: {race['decision']}", highlight=False, soft_wrap=True)
         table.add_row(name, race["winner"], "; ".join(f"{label} {loss:.3f}" for label, loss in ranking),
                       "yes" if ranking[0][0] == race["winner"] else "NO",
+                      yes_or_no(family_of(ranking[0][0]) == family_of(race["winner"]), family_of(race["winner"])),
                       f"{race['steps_spent']} of {race['steps_all_to_the_end']} steps ({race['compute_share']:.0%})")
     console.print(table)
 
