@@ -28,6 +28,7 @@ from tqdm import tqdm
 from stages.common.artifacts import staged_output
 from stages.common.chat import load_tokenizer, tokenized_chats
 from stages.common.checkpoint import DrafterCheckpoint
+from stages.common.data_parts import part_manifests, part_slice
 from stages.common.drafter_config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, aux_layer_ids_for, convert_aux_layer_ids
 from stages.common.errors import RegraftError
 from stages.common.feature_shards import LastHidden, ShardWriter
@@ -167,29 +168,9 @@ def extraction_rate(arrivals: list[tuple[float, int]]) -> dict[str, float]:
     return {"extract_tok_s": sum(tokens for _, tokens in arrivals[2:]) / (arrivals[-1][0] - arrivals[1][0])}
 
 
-def shard_rows(rows: dict[str, torch.Tensor], shard: int | None, shards: int) -> dict[str, torch.Tensor]:
-    """Part `shard` of `shards` contiguous parts: the parts in order are the whole data in order."""
-    if shard is None:
-        return rows
-    if shard >= shards:
-        raise RegraftError(f"shard={shard}", f"there are {shards} shards (0 to {shards - 1})",
-                           f"set shard= below {shards}")
-    count = rows["input_ids"].shape[0]
-    start, stop = shard * count // shards, (shard + 1) * count // shards
-    if start == stop:
-        raise RegraftError(f"shards={shards}", f"more shards than the {count} conversations",
-                           f"set shards= to at most {count}")
-    return {name: tensor[start:stop] for name, tensor in rows.items()}
-
-
 def join_parts(cfg: DictConfig) -> StageResult:
     """An output that indexes complete part outputs (open_features streams their shards in order)."""
-    from stages.common.artifacts import read_manifest
-
-    manifests = [read_manifest(part) for part in cfg.parts]
-    for part, manifest in zip(cfg.parts, manifests):
-        if not (manifest and manifest.get("complete") and manifest.get("stage") == "features"):
-            raise RegraftError(part, "not a complete features output", "run its features job (shard) first")
+    manifests = part_manifests(list(cfg.parts), "features")
     same = ("aux_layer_ids", "aux_convention", "max_length", "last_hidden", "target")
     for part, manifest in zip(cfg.parts[1:], manifests[1:]):
         differs = [key for key in same if manifest.get(key) != manifests[0].get(key)]
@@ -214,7 +195,8 @@ def run(cfg: DictConfig) -> StageResult:
         return join_parts(cfg)
     layer_ids = aux_layers(cfg)
     rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
-    rows = shard_rows(rows, cfg.shard, cfg.shards)
+    part = part_slice(rows["input_ids"].shape[0], cfg.shard, cfg.shards, "features")
+    rows = {name: tensor[part] for name, tensor in rows.items()}
     count = rows["input_ids"].shape[0]
     with staged_output(cfg.out, "features", cfg) as staged:
         writer = ShardWriter(staged.path, cfg.rows_per_shard, cfg.last_hidden)

@@ -50,9 +50,10 @@ from typing import Any, Iterable, Optional
 from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
-from stages.common.artifacts import plain_config, read_manifest, staged_output
+from stages.common.artifacts import plain_config, staged_output
 from stages.common.chat import batched, load_tokenizer, read_chat_records
 from stages.common.chat_prompts import context_length, prompt_ids, stop_ids
+from stages.common.data_parts import part_manifests, part_slice
 from stages.common.errors import RegraftError
 from stages.common.openai_client import Refused, chat_completion, served_models
 from stages.common.stage import StageResult, register_schema, setting, stage_main
@@ -178,20 +179,6 @@ def read_samples(path: Path, limit: int | None) -> list[Sample]:
     if not samples:
         raise RegraftError(path, "holds no conversations", 'give data= a JSONL file of {"messages": [...]} lines')
     return samples
-
-
-def shard_of(samples: list[Sample], shard: int | None, shards: int) -> list[Sample]:
-    """Part `shard` of `shards` contiguous parts: the parts in order are all the samples in order. Ids are taken
-    over the whole file first, so a sample keeps its id (and its seed) whichever part asks it."""
-    if shard is None:
-        return samples
-    if shard >= shards:
-        raise RegraftError(f"shard={shard}", f"there are {shards} shards (0 to {shards - 1})",
-                           f"set shard= below {shards}")
-    if shards > len(samples):
-        raise RegraftError(f"shards={shards}", f"more shards than the {len(samples)} samples",
-                           f"set shards= to at most {len(samples)}")
-    return samples[shard * len(samples) // shards:(shard + 1) * len(samples) // shards]
 
 
 def answered(sample: Sample, answers: list[dict], tokens: int) -> dict:
@@ -415,10 +402,7 @@ def write_outputs(samples: list[Sample], records: dict[str, dict], out: Path) ->
 
 def join_parts(cfg: DictConfig) -> StageResult:
     """The parts' lines in order, their counts summed: what one job asking every sample writes."""
-    manifests = [read_manifest(part) for part in cfg.parts]
-    for part, manifest in zip(cfg.parts, manifests):
-        if not manifest or manifest.get("stage") != "regenerate":
-            raise RegraftError(part, "not a complete regenerate output", "run its regenerate job (shard) first")
+    manifests = part_manifests(list(cfg.parts), "regenerate")
     for part, manifest in zip(cfg.parts[1:], manifests[1:]):
         if manifest["model"] != manifests[0]["model"]:
             raise RegraftError(part, f"was answered by {manifest['model']}, {cfg.parts[0]} by "
@@ -447,7 +431,9 @@ def run(cfg: DictConfig) -> StageResult:
     engine = Engine(cfg.engine)
     if engine is Engine.vllm and not cfg.target:
         raise RegraftError("target", "engine=vllm needs the target model", "set target= to the model folder")
-    samples = shard_of(read_samples(Path(cfg.data), cfg.num_samples), cfg.shard, cfg.shards)
+    # ids are taken over the whole file first, so a sample keeps its id (and its seed) whichever part asks it
+    samples = read_samples(Path(cfg.data), cfg.num_samples)
+    samples = samples[part_slice(len(samples), cfg.shard, cfg.shards, "regenerate", "samples")]
     model = server_model(cfg, cfg.server_url.rstrip("/")) if engine is Engine.openai \
         else str(Path(cfg.target).absolute())
     work_dir = f"{cfg.work_dir}.shard{cfg.shard}" if cfg.work_dir and cfg.shard is not None else cfg.work_dir

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from stages.common.artifacts import staged_output
 from stages.common.stage import StageResult, register_schema, setting, stage_main
 from stages.common.chat import batched, encode_chats, load_tokenizer, read_conversations
+from stages.common.data_parts import part_manifests, part_slice
 from stages.common.errors import RegraftError
 from stages.common.tensor_io import spec_of, write_safetensors
 from stages.common.vocab import VOCAB_MAP_FILE, build_vocab_map
@@ -83,24 +84,16 @@ def conversations_of(data: Path, shard: int | None, shards: int) -> Iterator[lis
     """Part `shard` of `shards` contiguous parts of the chats (all of them for None), read lazily."""
     if shard is None:
         return read_conversations(data)
-    if shard >= shards:
-        raise RegraftError(f"shard={shard}", f"there are {shards} shards (0 to {shards - 1})",
-                           f"set shard= below {shards}")
-    count = sum(1 for _ in read_conversations(data))
-    return islice(read_conversations(data), shard * count // shards, (shard + 1) * count // shards)
+    part = part_slice(sum(1 for _ in read_conversations(data)), shard, shards, "vocab_map")
+    return islice(read_conversations(data), part.start, part.stop)
 
 
 def summed_counts(parts: list[str], vocab_size: int) -> TokenCounts:
     """The parts' counts added up: what counting all their chats at once gives."""
     from safetensors.torch import load_file
 
-    from stages.common.artifacts import read_manifest
-
     counts, conversations, tokens_total = torch.zeros(vocab_size, dtype=torch.int64), 0, 0
-    for part in parts:
-        manifest = read_manifest(part)
-        if not (manifest and manifest.get("complete") and manifest.get("stage") == "vocab_map"):
-            raise RegraftError(part, "not a complete vocab_map output", "run its vocab_map job (shard) first")
+    for part, manifest in zip(parts, part_manifests(parts, "vocab_map")):
         part_counts = load_file(Path(part) / VOCAB_MAP_FILE)["token_counts"]
         if part_counts.shape[0] != vocab_size:
             raise RegraftError(part, f"counts {part_counts.shape[0]} ids, this map {vocab_size}",

@@ -80,5 +80,18 @@ def test_a_shard_past_the_samples_is_refused_with_the_fix(tmp_path):
     data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     cfg = compose_stage("regenerate", [f"data={data}", f"out={tmp_path / 'out'}", "engine=openai",
                                        "server_url=http://127.0.0.1:9", "shards=2", "shard=0"])
-    with pytest.raises(RegraftError, match="more shards than the 1 samples"):
+    with pytest.raises(RegraftError, match="regenerate.shards=2: more shards than the 1 samples"):
         regenerate.run(cfg)
+
+
+def test_parts_cover_the_data_in_order_and_bad_counts_name_the_setting():
+    from stages.common.data_parts import part_slice
+
+    parts = [part_slice(10, shard, 3, "features") for shard in range(3)]
+    assert [(part.start, part.stop) for part in parts] == [(0, 3), (3, 6), (6, 10)]
+    assert part_slice(10, None, 3, "features") == slice(0, 10)
+    with pytest.raises(RegraftError, match=r"features.shards=40: more shards than the 10 conversations \(fix: set "
+                                           r"features.shards= to at most 10\)"):
+        part_slice(10, 0, 40, "features")
+    with pytest.raises(RegraftError, match=r"vocab_map.shard=3: there are 3 shards"):
+        part_slice(10, 3, 3, "vocab_map")
