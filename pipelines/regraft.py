@@ -30,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
@@ -41,7 +41,7 @@ from pipelines.jobs import StageFailed
 from pipelines.launchers import make_launcher
 from pipelines.preflight import check_before_any_work
 from pipelines.runner import Interrupts, NodeResult, pending, run_dag
-from pipelines.summary import plot, stage_table, story_caption, story_table, write_summary
+from pipelines.summary import finish_run, stage_table, story_caption, story_table
 from pipelines.tracking import Tracker, hydra_invocation
 from stages.common.errors import RegraftError
 from stages.common.stage import CONF_DIR
@@ -91,10 +91,8 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
         limit_threads(threads_per_stage(cfg.launcher.threads, cfg.launcher.max_parallel))
         keys = keys_for(nodes)
         launcher.prepare(pending(nodes, keys, Path(cfg.paths.cache)))  # a warm interpreter imports while MLflow starts
-        if cfg.tracking.enabled:
-            # named by the overrides its sweep varies (`lr=1e-3 init=remap`), else its own or `defaults`
-            tracker = Tracker(cfg.tracking, hydra_invocation(overrides),
-                              tags={"overrides": " ".join(overrides) or "(defaults)", "run_dir": str(run_dir)})
+        # named by the overrides its sweep varies (`lr=1e-3 init=remap`), else its own or `defaults`
+        tracker = Tracker.for_pipeline(cfg.tracking, hydra_invocation(overrides), overrides, run_dir)
         if cfg.pipeline.race:
             results, race = race_then_evaluate(cfg, launcher, tracker, console)
         else:
@@ -104,12 +102,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
         if tracker is not None:
             tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", {}, {}, [])
         raise
-    summary = write_summary(run_dir, results, OmegaConf.to_container(cfg, resolve=True), overrides,
-                            time.perf_counter() - start, race=race)
-    plots = plot(summary["stages"], run_dir)
-    if tracker is not None:
-        params = dict(override.split("=", 1) for override in overrides if "=" in override)
-        tracker.finish("FINISHED", params, summary["numbers"], [run_dir / "summary.json", *plots], summary)
+    summary, plots = finish_run(run_dir, results, cfg, overrides, time.perf_counter() - start, tracker, race=race)
     return PipelineResult(results, summary, plots, tracker.ui_command() if tracker else None)
 
 

@@ -224,7 +224,7 @@ def plot(results: dict[str, dict], run_dir: Path) -> list[Path]:
 
 
 def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, overrides: list[str],
-                  wall_seconds: float, race: dict | None = None) -> dict:
+                  wall_seconds: float, race: dict | None = None, failed: str | None = None) -> dict:
     stages = {name: {**asdict(result), "overhead_seconds": round(result.overhead_seconds, 3)}
               for name, result in results.items()}
     summary = {"overrides": overrides, "wall_seconds": round(wall_seconds, 2), "numbers": headline_numbers(stages),
@@ -238,8 +238,23 @@ def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, o
             summary["numbers"][f"race/val_loss/{finalist['family']}"] = finalist["val_loss"]
             if finalist["accept_len"] is not None:
                 summary["numbers"][f"race/accept_len/{finalist['family']}"] = finalist["accept_len"]
+    if failed:  # a sweep member whose stage failed: `<node>: <its line>`
+        summary["failed"] = failed
     write_json_atomic(run_dir / "summary.json", summary)
     return summary
+
+
+def finish_run(run_dir: Path, results: dict[str, NodeResult], cfg: DictConfig, overrides: list[str],
+               wall_seconds: float, tracker, race: dict | None = None, failed: str | None = None
+               ) -> tuple[dict, list[Path]]:
+    """A run's (or sweep member's) end: summary.json, its plots unless it failed, its MLflow parent run closed."""
+    summary = write_summary(run_dir, results, OmegaConf.to_container(cfg, resolve=True), overrides, wall_seconds,
+                            race=race, failed=failed)
+    plots = [] if failed else plot(summary["stages"], run_dir)
+    if tracker is not None:
+        tracker.finish_pipeline("FAILED" if failed else "FINISHED", overrides, summary,
+                                [run_dir / "summary.json", *plots])
+    return summary, plots
 
 
 SWEEP_COLUMNS = (("accept_len/phase0", "phase 0"), ("accept_len/phase1", "phase 1"),

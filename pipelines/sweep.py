@@ -28,9 +28,8 @@ from pipelines.dag import Node, build_nodes, substitute
 from pipelines.launchers import make_launcher
 from pipelines.preflight import check_before_any_work
 from pipelines.runner import NodeResult, pending, run_dag
-from pipelines.summary import plot, write_summary
+from pipelines.summary import finish_run
 from pipelines.tracking import Invocation, Tracker, hydra_invocation
-from stages.common.artifacts import write_json_atomic
 from stages.common.errors import RegraftError
 
 
@@ -138,29 +137,6 @@ def failure_line(member: Member, names: dict[tuple[int, str], str], failures: di
     return f"{own[0][0]}: {own[0][1]}" if own else (f"{lost[0][0]}: {lost[0][1]}" if lost else None)
 
 
-def finish_member(member: Member, results: dict[str, NodeResult], wall_seconds: float) -> None:
-    """summary.json, plots and the parent run of one member; a failed member's summary says why."""
-    config = OmegaConf.to_container(member.cfg, resolve=True)
-    summary = write_summary(member.run_dir, results, config, member.overrides, wall_seconds)
-    if member.failed:
-        summary["failed"] = member.failed
-        write_json_atomic(member.run_dir / "summary.json", summary)
-    plots = plot(summary["stages"], member.run_dir) if not member.failed else []
-    if member.tracker is not None:
-        params = dict(override.split("=", 1) for override in member.overrides if "=" in override)
-        member.tracker.finish("FAILED" if member.failed else "FINISHED", params, summary["numbers"],
-                              [member.run_dir / "summary.json", *plots], summary)
-    member.summary = summary
-
-
-def open_trackers(members: list[Member]) -> None:
-    for member in members:
-        if member.cfg.tracking.enabled:
-            member.tracker = Tracker(member.cfg.tracking, member.invocation,
-                                     tags={"overrides": " ".join(member.overrides) or "(defaults)",
-                                           "run_dir": str(member.run_dir)})
-
-
 def check_one_launcher(members: list[Member]) -> None:
     """One DAG runs on one launcher and one cache: members may not differ in them."""
     first = members[0].cfg
@@ -185,7 +161,8 @@ def run_sweep(members: list[Member], sweep_dir: Path, console: Console) -> None:
     nodes, names = union(plain)
     keys = keys_for(nodes)
     launcher.prepare(pending(nodes, keys, Path(base.paths.cache)))
-    open_trackers(plain)
+    for member in plain:
+        member.tracker = Tracker.for_pipeline(member.cfg.tracking, member.invocation, member.overrides, member.run_dir)
     failures: dict[str, str] = {}
     try:
         results = run_dag(nodes, Path(base.paths.cache), launcher, MemberTrackers(plain, names), console,
@@ -201,7 +178,9 @@ def run_sweep(members: list[Member], sweep_dir: Path, console: Console) -> None:
             first_user.setdefault(names[(member.num, node.name)], member.num)
     for member in plain:
         member.failed = failure_line(member, names, failures)
-        finish_member(member, member_results(member, names, results, first_user), time.perf_counter() - start)
+        member.summary, _ = finish_run(member.run_dir, member_results(member, names, results, first_user),
+                                       member.cfg, member.overrides, time.perf_counter() - start, member.tracker,
+                                       failed=member.failed)
     for member in members:
         if member.races:
             member.summary = run_pipeline(member.cfg, member.run_dir, member.overrides, console).summary

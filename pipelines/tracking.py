@@ -435,6 +435,18 @@ class Tracker:
             self.client.log_artifact(run_id, str(path), artifact_path=relative.parent.as_posix()
                                      if relative.parent != Path(".") else None)
 
+    @classmethod
+    def for_pipeline(cls, cfg: DictConfig, run: Invocation, overrides: list[str], run_dir: Path) -> "Tracker | None":
+        """A pipeline run's parent run, tagged with its overrides and run folder; None when tracking is off."""
+        if not cfg.enabled:
+            return None
+        return cls(cfg, run, tags={"overrides": " ".join(overrides) or "(defaults)", "run_dir": str(run_dir)})
+
+    def finish_pipeline(self, status: str, overrides: list[str], summary: dict, files: list[Path]) -> None:
+        """The parent run closed from the run's summary, its overrides as params."""
+        params = dict(override.split("=", 1) for override in overrides if "=" in override)
+        self.finish(status, params, summary["numbers"], files, summary)
+
     def finish(self, status: str, params: dict[str, Any], metrics: dict[str, float], files: list[Path],
                summary: dict | None = None) -> None:
         """The parent run: its overrides as params, the headline numbers (`accept_len/phase1`, ...) and, given the
