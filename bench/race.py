@@ -18,11 +18,9 @@ from hydra import compose, initialize_config_dir
 from rich.console import Console
 from rich.table import Table
 
-from pipelines.cache import keys_for
 from pipelines.launchers import make_launcher
-from pipelines.race import every_candidate_to_the_end
+from pipelines.race import every_candidate_to_the_end, rung_runner
 from pipelines.regraft import run_pipeline
-from pipelines.runner import run_dag
 from stages.common.stage import CONF_DIR
 
 WORLDS = {"default": [], "drifted": ["world.rotate_b=1"]}
@@ -34,12 +32,7 @@ def race_world(outputs: Path, overrides: list[str], console: Console) -> tuple[d
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     done = run_pipeline(cfg, outputs / "runs" / "race", overrides, console)
-    launcher, every = make_launcher(cfg.launcher, outputs / "jobs"), []
-
-    def run_rungs(nodes, finished):
-        every.extend(nodes)
-        return run_dag(nodes, Path(cfg.paths.cache), launcher, None, console, 0.1, None, keys_for(every), finished)
-
+    run_rungs = rung_runner(cfg, make_launcher(cfg.launcher, outputs / "jobs"), None, console)
     return done.summary["race"], every_candidate_to_the_end(cfg, run_rungs)
 
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.cache import keys_for
 from pipelines.dag import Node, build_nodes, finetune_drafter, wired
-from pipelines.runner import NodeResult
+from pipelines.runner import NodeResult, run_dag
 
 
 @dataclass
@@ -236,6 +237,18 @@ def race_summary(outcome: RaceOutcome, budget: int) -> dict:
             "compute_share": outcome.compute_share, "steps_spent": outcome.steps_spent,
             "steps_all_to_the_end": outcome.steps_all, "budget_steps": budget,
             "rungs": [vars(row) for row in outcome.rows]}
+
+
+def rung_runner(cfg: DictConfig, launcher, tracker, console) -> Callable:
+    """`run_rungs(nodes, done)`: run more nodes of a DAG that grows rung by rung, each keyed among all so far."""
+    every: list[Node] = []
+
+    def run_rungs(nodes: list[Node], done: dict[str, NodeResult]) -> dict[str, NodeResult]:
+        every.extend(nodes)
+        return run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
+                       cfg.launcher.max_parallel, keys_for(every), done)
+
+    return run_rungs
 
 
 def every_candidate_to_the_end(cfg: DictConfig, run_rungs) -> list[tuple[str, float]]:

@@ -36,7 +36,7 @@ from rich.console import Console
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
 from pipelines.cache import keys_for
 from pipelines.dag import Node, build_nodes, wired
-from pipelines.race import race_summary, race_table, run_race
+from pipelines.race import race_summary, race_table, rung_runner, run_race
 from pipelines.jobs import StageFailed
 from pipelines.launchers import make_launcher
 from pipelines.preflight import check_before_any_work
@@ -108,13 +108,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
 
 def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> tuple[dict[str, NodeResult], dict]:
     """pipeline.race: the rungs (pipelines/race.py), each a run of cached nodes; then the winner evaluated as phase 1."""
-    every: list = []
-
-    def run_rungs(nodes: list, done: dict[str, NodeResult]) -> dict[str, NodeResult]:
-        every.extend(nodes)
-        return run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
-                       cfg.launcher.max_parallel, keys_for(every), done)
-
+    run_rungs = rung_runner(cfg, launcher, tracker, console)
     nodes, results, outcome = run_race(cfg, run_rungs)
     if cfg.pipeline.evaluate:  # the winner is phase 1; the other family's finalist is measured the same way
         names = ["evaluate"] + [f"{finalist.candidate.name}_evaluate" for finalist in outcome.finalists[1:]]

@@ -3,7 +3,6 @@ both worlds the race picks what every candidate trained to the end ranks first, 
 rerun runs nothing and one more candidate reuses every rung already trained."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -64,21 +63,14 @@ def race_cfg(outputs, *overrides: str):
 def run_race_and_reference(outputs, *overrides: str):
     from rich.console import Console
 
-    from pipelines.cache import keys_for
     from pipelines.launchers import make_launcher
-    from pipelines.race import every_candidate_to_the_end
+    from pipelines.race import every_candidate_to_the_end, rung_runner
     from pipelines.regraft import run_pipeline
-    from pipelines.runner import run_dag
 
     cfg = race_cfg(outputs, *overrides)
     console = Console(quiet=True)
     race = run_pipeline(cfg, outputs / "run", list(overrides), console).summary
-    launcher, every = make_launcher(cfg.launcher, outputs / "jobs"), []
-
-    def run_rungs(nodes, finished):
-        every.extend(nodes)
-        return run_dag(nodes, Path(cfg.paths.cache), launcher, None, console, 0.1, None, keys_for(every), finished)
-
+    run_rungs = rung_runner(cfg, make_launcher(cfg.launcher, outputs / "jobs"), None, console)
     return race, every_candidate_to_the_end(cfg, run_rungs)
 
 
