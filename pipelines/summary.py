@@ -26,8 +26,38 @@ def fmt(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-ROLES = {"probe": "phase0", "finetune": "phase1", "evaluate": "phase1", "baseline_finetune": "scratch",
-         "baseline_evaluate": "scratch"}  # a node's role in the parent's metric names: `accept_len/phase1`
+# The parent run's figures: (name, the nodes it is read from (the first that has it), that node's figure, what it
+# means). Each is a child's figure under its node's role; every name differs from the others in its first 12
+# characters, which is what MLflow's runs table shows of a column's name (tests/test_tracking.py holds this).
+HEADLINES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
+    ("phase0/accept_len", ("probe",), "accept_len", "accept_len, phase 0 (source as it is)"),
+    ("phase1/accept_len", ("evaluate",), "accept_len", "accept_len, phase 1 (fine-tuned)"),
+    ("scratch/accept_len", ("baseline_evaluate",), "accept_len", "accept_len, from-scratch baseline"),
+    ("maps/shared_ids", ("compare",), "shared_ids", "draft ids shared by the two maps"),
+    ("maps/positions_agree", ("compare",), "positions_agree", "draft positions at the same token"),
+    # the guard's TTT step 0 on the first training batch; phase 0 is the source lm_head as it is
+    ("phase0/loss_0", ("finetune", "baseline_finetune"), "preflight_as_is_loss_0", "step-0 loss, source as it is"),
+    ("phase1/loss_0", ("finetune",), "preflight_loss_0", "step-0 loss, fine-tune init"),
+    ("scratch/loss_0", ("baseline_finetune",), "preflight_loss_0", "step-0 loss, from scratch"),
+    ("phase0/acc_0", ("finetune", "baseline_finetune"), "preflight_as_is_full_acc_0", "step-0 acc, source as it is"),
+    ("phase1/acc_0", ("finetune",), "preflight_full_acc_0", "step-0 acc, fine-tune init"),
+    ("scratch/acc_0", ("baseline_finetune",), "preflight_full_acc_0", "step-0 acc, from scratch"),
+    ("phase1/val_acc_0", ("finetune",), "val_full_acc_0", "val acc (TTT step 0) after fine-tune"),
+    ("scratch/val_acc_0", ("baseline_finetune",), "val_full_acc_0", "val acc (TTT step 0) after scratch"),
+    ("diagnose/cka_mean", ("diagnose",), "cka_mean", "CKA(old target, new), aux layers"),
+    ("diagnose/transfer_gap", ("diagnose",), "transfer_gap", "transfer gap: held-out step-0 loss"),
+    ("diagnose/remap_loss_0", ("diagnose",), "heldout_loss_0_remap", "held-out step-0 loss, remapped"),
+    ("diagnose/realign_loss_0", ("diagnose",), "heldout_loss_0_realign", "held-out step-0 loss, re-aligned"),
+)
+GAINS = (("gain/over_phase0", "phase0/accept_len", "accept_len gain of phase 1 over phase 0"),
+         ("gain/over_scratch", "scratch/accept_len", "accept_len gain of phase 1 over scratch"))
+RACE_LABELS = {"race/compute_share": "race: share of all-to-the-end compute",
+               "race/steps_spent": "race: optimizer steps spent",
+               "race/loss_transfer": "race: val loss, best transfer",
+               "race/loss_scratch": "race: val loss, best scratch",
+               "race/len_transfer": "race: accept_len, best transfer",
+               "race/len_scratch": "race: accept_len, best scratch"}
+COUNTS = ("maps/shared_ids", "maps/positions_agree")  # shown as integers
 
 
 def one_computation(results: dict[str, dict]) -> list[list[str]]:
@@ -44,33 +74,20 @@ def phase1_is_scratch(results: dict[str, dict]) -> bool:
 
 
 def headline_numbers(results: dict[str, dict]) -> dict[str, Any]:
-    """The numbers that tell the story, for tables and the parent run, named as MLflow shows them: the child run's
-    metric name plus the node's role (`accept_len/phase0|phase1|scratch`, `val/full_acc_0/phase1`, ...). When the
-    fine-tune is the scratch baseline (one cache key) the `/scratch` figures are left out, not shown twice."""
-    def metric(node: str, key: str) -> Any:
-        return results.get(node, {}).get("metrics", {}).get(key)
+    """The numbers that tell the story, for tables and the parent run, named as MLflow shows them (HEADLINES). When
+    the fine-tune is the scratch baseline (one cache key) the `scratch/` figures are left out, not shown twice."""
+    def metric(nodes: tuple[str, ...], key: str) -> Any:
+        return next((value for node in nodes if (value := results.get(node, {}).get("metrics", {}).get(key))
+                     is not None), None)
 
-    numbers = {"accept_len/phase0": metric("probe", "accept_len"),
-               "accept_len/phase1": metric("evaluate", "accept_len"),
-               "accept_len/scratch": metric("baseline_evaluate", "accept_len"),
-               "positions_agree": metric("compare", "positions_agree"),
-               "shared_ids": metric("compare", "shared_ids")}
-    for name in ("step0_loss", "step0_acc"):  # the source lm_head as it is: phase 0's, measured by a fine-tune's guard
-        numbers[f"preflight/{name}/phase0"] = next((value for value in (
-            metric("finetune", f"preflight_as_is_{name}"), metric("baseline_finetune", f"preflight_as_is_{name}"))
-            if value is not None), None)
-        numbers[f"preflight/{name}/phase1"] = metric("finetune", f"preflight_{name}")
-        numbers[f"preflight/{name}/scratch"] = metric("baseline_finetune", f"preflight_{name}")
-    for key in ("transfer_gap", "cka_mean", "step0_loss_remap", "step0_loss_realign"):  # did the target move?
-        numbers[f"diagnose/{key}"] = metric("diagnose", key)
-    numbers["val/full_acc_0/phase1"] = metric("finetune", "val_full_acc_0")
-    numbers["val/full_acc_0/scratch"] = metric("baseline_finetune", "val_full_acc_0")
-    phase1 = numbers["accept_len/phase1"]
-    for other in ("phase0", "scratch"):
-        if phase1 is not None and numbers[f"accept_len/{other}"] is not None:
-            numbers[f"accept_len/gain_over_{other}"] = phase1 - numbers[f"accept_len/{other}"]
+    numbers = {name: metric(nodes, key) for name, nodes, key, _ in HEADLINES}
+    phase1 = numbers["phase1/accept_len"]
+    for name, other, _ in GAINS:
+        if phase1 is not None and numbers[other] is not None:
+            numbers[name] = phase1 - numbers[other]
     if phase1_is_scratch(results):
-        numbers = {key: value for key, value in numbers.items() if not key.endswith("scratch")}
+        numbers = {key: value for key, value in numbers.items() if not key.startswith("scratch/")
+                   and key != "gain/over_scratch"}
     return {key: value for key, value in numbers.items() if value is not None}
 
 
@@ -120,34 +137,14 @@ def fitted_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...
     return FittedTable(title, columns, rows, right, caption, dim_last)
 
 
-LABELS = {"accept_len/phase0": "accept_len, phase 0 (source as it is)",
-          "accept_len/phase1": "accept_len, phase 1 (fine-tuned)",
-          "accept_len/scratch": "accept_len, from-scratch baseline",
-          "shared_ids": "draft ids shared by the two maps",
-          "positions_agree": "draft positions at the same token",
-          "preflight/step0_loss/phase0": "step-0 loss, source lm_head as it is",
-          "preflight/step0_loss/phase1": "step-0 loss, fine-tune init",
-          "preflight/step0_loss/scratch": "step-0 loss, from scratch",
-          "preflight/step0_acc/phase0": "step-0 acc, source lm_head as it is",
-          "preflight/step0_acc/phase1": "step-0 acc, fine-tune init",
-          "preflight/step0_acc/scratch": "step-0 acc, from scratch",
-          "val/full_acc_0/phase1": "val acc (step 0) after fine-tune",
-          "val/full_acc_0/scratch": "val acc (step 0) after scratch",
-          "diagnose/cka_mean": "CKA(old target, new), aux layers",
-          "diagnose/transfer_gap": "transfer gap: step-0 loss from features",
-          "diagnose/step0_loss_realign": "step-0 loss, re-aligned drafter",
-          "race/compute_share": "race: share of all-to-the-end compute",
-          "race/steps_spent": "race: optimizer steps spent",
-          "race/val_loss/transfer": "race: val loss, best transfer",
-          "race/val_loss/scratch": "race: val loss, best scratch",
-          "race/accept_len/transfer": "race: accept_len, best transfer",
-          "race/accept_len/scratch": "race: accept_len, best scratch"}
+LABELS = {**{name: label for name, _, _, label in HEADLINES}, **{name: label for name, _, label in GAINS},
+          **RACE_LABELS}
 
 
 def story_table(numbers: dict[str, Any], title: str = "regraft: phase 0 vs phase 1", caption: str | None = None
                 ) -> FittedTable:
     """The story, each figure beside its name in the parent MLflow run."""
-    rows = [(label, fmt(numbers[key], 0 if key in ("shared_ids", "positions_agree") else 3), key)
+    rows = [(label, fmt(numbers[key], 0 if key in COUNTS else 3), key)
             for key, label in LABELS.items() if key in numbers]
     return fitted_table(title, ("measure", "value", "MLflow"), rows, right=("value",), caption=caption,
                         dim_last=True)
@@ -235,9 +232,9 @@ def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, o
         summary["numbers"].update({"race/compute_share": race["compute_share"],
                                    "race/steps_spent": race["steps_spent"]})
         for finalist in race["finalists"]:  # transfer or scratch, at the full budget: one figure per family
-            summary["numbers"][f"race/val_loss/{finalist['family']}"] = finalist["val_loss"]
+            summary["numbers"][f"race/loss_{finalist['family']}"] = finalist["val_loss"]
             if finalist["accept_len"] is not None:
-                summary["numbers"][f"race/accept_len/{finalist['family']}"] = finalist["accept_len"]
+                summary["numbers"][f"race/len_{finalist['family']}"] = finalist["accept_len"]
     if failed:  # a sweep member whose stage failed: `<node>: <its line>`
         summary["failed"] = failed
     write_json_atomic(run_dir / "summary.json", summary)
@@ -257,8 +254,8 @@ def finish_run(run_dir: Path, results: dict[str, NodeResult], cfg: DictConfig, o
     return summary, plots
 
 
-SWEEP_COLUMNS = (("accept_len/phase0", "phase 0"), ("accept_len/phase1", "phase 1"),
-                 ("accept_len/scratch", "scratch"), ("val/full_acc_0/phase1", "val acc0"))
+SWEEP_COLUMNS = (("phase0/accept_len", "phase 0"), ("phase1/accept_len", "phase 1"),
+                 ("scratch/accept_len", "scratch"), ("phase1/val_acc_0", "val acc0"))
 
 
 def varying(members: list[dict], swept: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ A member with `pipeline.race=true` grows its DAG rung by rung, so it runs after 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,7 @@ class MemberTrackers:
             for node in member.nodes:
                 self.subscribers.setdefault(names[(member.num, node.name)], []).append((member, node.name))
         self.open: dict[str, list[tuple[Tracker, str]]] = {}
+        self.tokens = itertools.count()  # never reused: a run's token must not name a later one
 
     def start_stage(self, node: Node, key: str, config: DictConfig, hit: bool) -> str:
         runs = []
@@ -105,7 +107,7 @@ class MemberTrackers:
             if member.tracker is not None:
                 own = next(n for n in member.nodes if n.name == own_name)
                 runs.append((member.tracker, member.tracker.start_stage(own, key, config, hit)))
-        token = f"fan-{len(self.open)}"
+        token = f"fan-{next(self.tokens)}"
         self.open[token] = runs
         return token
 

@@ -9,9 +9,10 @@ One name per metric (README, "MLflow"):
   `train/<k>`, `val/<k>` (finetune, by optimizer step), `preflight/<k>` (the finetune guard, step 0) and
   `turn/<k>` (the probe, by turn); a final figure that is a point of a series (the exported drafter's `val_*`,
   the guard's `preflight_*`) is that series' point, not a second name; `stage_seconds` on every child.
-- the parent run: the child's name plus the role of its node, `accept_len/phase0`, `accept_len/phase1`,
-  `accept_len/scratch`, `val/full_acc_0/phase1`, `preflight/step0_loss/phase0` (the source lm_head as it is) ...
-  (pipelines/summary.py `headline_numbers`), and `stages/ran`, `stages/hit`.
+- the parent run: a child's figure under its node's role, `phase0/accept_len`, `phase1/accept_len`,
+  `scratch/accept_len`, `phase1/val_acc_0`, `phase0/loss_0` (the source lm_head as it is) ... (pipelines/summary.py
+  `HEADLINES`: every name differs from the others in its first 12 characters, what MLflow's table shows), and
+  `stages/ran`, `stages/hit`.
 Runs are named by the overrides that vary in their sweep (`lr=1e-3 init=remap`), a single run by its overrides
 (or `defaults`); the sweep's tags (`sweep`, `member`, each swept key) are on the parent and on every child.
 
@@ -94,7 +95,7 @@ SERIES_PREFIXES = ("train", "val", "preflight")  # metrics.jsonl splits, and the
 
 def metric_name(key: str, split: str | None = None) -> str:
     """A stage figure's one name: `val_loss` (manifest) and `loss` of a `val` line (metrics.jsonl) are `val/loss`,
-    `preflight_step0_acc` in either place is `preflight/step0_acc`; anything else keeps its name."""
+    `preflight_full_acc_0` in either place is `preflight/full_acc_0`; anything else keeps its name."""
     if split is not None:
         return f"{split}/{key.removeprefix(split + '_')}"
     prefix, _, rest = key.partition("_")
@@ -103,7 +104,7 @@ def metric_name(key: str, split: str | None = None) -> str:
 
 def step_metrics(out: Path) -> list[tuple[str, float, int]]:
     """(name, value, step) from a stage's per-step logs: finetune's metrics.jsonl by optimizer step
-    (`train/loss`, `val/full_acc_0`, `preflight/step0_acc`), the probe's per-turn table (`turn/accept_len`)."""
+    (`train/loss`, `val/full_acc_0`, `preflight/full_acc_0`), the probe's per-turn table (`turn/accept_len`)."""
     rows: list[tuple[str, float, int]] = []
     if (out / "metrics.jsonl").exists():
         for line in (out / "metrics.jsonl").read_text().splitlines():
@@ -267,11 +268,11 @@ def repair_store(uri: str) -> None:
 EXPERIMENT_NOTE = """regraft: one parent run per invocation (per sweep member), named by the overrides its sweep \
 varies (`lr=1e-3 init=remap`) or `defaults`; one child run per stage.
 
-Which setting won: sort the parent runs by **accept_len/phase1** (the remapped, fine-tuned drafter on the new \
-target), against **accept_len/phase0** (the source drafter as it is) and **accept_len/scratch** (the same fine-tune \
-from scratch); **accept_len/gain_over_scratch** and **accept_len/gain_over_phase0** are the differences. Beside \
-them: val/full_acc_0/phase1 and /scratch (the exported drafters' step-0 validation accuracy), \
-preflight/step0_loss/phase0|phase1|scratch, and stages/ran, stages/hit (cache). A member whose fine-tune is the \
+Which setting won: sort the parent runs by **phase1/accept_len** (the remapped, fine-tuned drafter on the new \
+target), against **phase0/accept_len** (the source drafter as it is) and **scratch/accept_len** (the same fine-tune \
+from scratch); **gain/over_scratch** and **gain/over_phase0** are the differences. Beside them: phase1/val_acc_0 \
+and scratch/val_acc_0 (the exported drafters' validation accuracy at TTT step 0), phase0|phase1|scratch/loss_0 \
+(step-0 loss before training), and stages/ran, stages/hit (cache). A member whose fine-tune is the \
 scratch baseline (finetune.init=scratch) has tag phase1_is_scratch=true and no /scratch figures.
 """
 
@@ -355,8 +356,8 @@ class Tracker:
         """A stage's results into its child run; without an outcome, `error` and `status` (FAILED or KILLED)."""
         tags = {"job_id": job_id, "versions_differ": versions_note, "job_log": log}
         tags = {key: value for key, value in tags.items() if value}
-        if outcome is None:
-            self.set_tags(run_id, {**tags, "error": (error or "")[:5000]})
+        if outcome is None:  # it made no output, so nothing was a hit: `pending` must not outlive the run
+            self.set_tags(run_id, {**tags, "cache_hit": "false", "error": (error or "")[:5000]})
             self.client.set_terminated(run_id, status)
             return
         out = Path(outcome.out)
@@ -449,7 +450,7 @@ class Tracker:
 
     def finish(self, status: str, params: dict[str, Any], metrics: dict[str, float], files: list[Path],
                summary: dict | None = None) -> None:
-        """The parent run: its overrides as params, the headline numbers (`accept_len/phase1`, ...) and, given the
+        """The parent run: its overrides as params, the headline numbers (`phase1/accept_len`, ...) and, given the
         run's summary, how many stages ran and were hits, which nodes were one computation, and a note."""
         tags: dict[str, str] = {}
         metrics = dict(metrics)
@@ -483,8 +484,8 @@ def run_note(summary: dict) -> str:
     """The parent run's description: the headline, what ran, and what was one computation."""
     numbers = summary.get("numbers", {})
     figures = ", ".join(f"{label} {numbers[key]:.3f}" for key, label in
-                        (("accept_len/phase0", "phase 0"), ("accept_len/phase1", "phase 1"),
-                         ("accept_len/scratch", "scratch")) if numeric(numbers.get(key)))
+                        (("phase0/accept_len", "phase 0"), ("phase1/accept_len", "phase 1"),
+                         ("scratch/accept_len", "scratch")) if numeric(numbers.get(key)))
     stages = summary.get("stages", {})
     ran = sum(1 for stage in stages.values() if not stage["hit"])
     lines = [f"accept_len: {figures or 'not measured'}", f"{ran} of {len(stages)} stages ran, "

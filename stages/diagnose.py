@@ -175,8 +175,9 @@ def run(cfg: DictConfig) -> StageResult:
 
 
 def headline_metrics(report: dict) -> dict[str, float]:
-    metrics = {f"step0_loss_{name}": values["loss"] for name, values in report["step0"].items()}
-    metrics.update({f"step0_acc_{name}": values["acc"] for name, values in report["step0"].items()})
+    # held-out rows, before any training: not the guard's `preflight/loss_0` (TTT step 0 on the first training batch)
+    metrics = {f"heldout_loss_0_{name}": values["loss"] for name, values in report["step0"].items()}
+    metrics.update({f"heldout_full_acc_0_{name}": values["acc"] for name, values in report["step0"].items()})
     for row in report["layers"]:
         metrics.update({f"cka_layer{row['layer']}": row["cka"], f"r2_linear_layer{row['layer']}": row["r2_linear"]})
     if report["layers"]:

@@ -98,8 +98,8 @@ def test_diagnose_measures_the_rotation_and_writes_a_drafter_that_undoes_it(trai
     assert m["cka_mean"] > 0.999 and min(m[f"r2_linear_layer{i}"] for i in (0, 1, 2)) > 0.999, m
     assert m["transfer_gap"] > 0.5  # the rotation costs the carried drafter this much loss, all of it features
     report = json.loads((tmp_path / "d" / "diagnose.json").read_text())
-    assert m["step0_loss_realign"] == pytest.approx(report["remap_on_target_a"]["loss"], rel=1e-3)
-    assert m["step0_loss_realign"] < m["step0_loss_remap"] - 0.5 and m["step0_loss_scratch"] > m["step0_loss_realign"]
+    assert m["heldout_loss_0_realign"] == pytest.approx(report["remap_on_target_a"]["loss"], rel=1e-3)
+    assert m["heldout_loss_0_realign"] < m["heldout_loss_0_remap"] - 0.5 and m["heldout_loss_0_scratch"] > m["heldout_loss_0_realign"]
     realigned = Eagle3Drafter.from_checkpoint(tmp_path / "d" / "realigned")
     assert realigned.fc.weight.shape == Eagle3Drafter.from_checkpoint(scratch_run[0] / "drafter").fc.weight.shape
     assert (tmp_path / "d" / "diagnose.png").stat().st_size > 0
@@ -107,4 +107,4 @@ def test_diagnose_measures_the_rotation_and_writes_a_drafter_that_undoes_it(trai
     alone = diagnose.run(compose_stage("diagnose", common + [f"out={tmp_path / 'no_a'}"]))
     assert "transfer_gap" not in alone.metrics and not (tmp_path / "no_a" / "realigned").exists()
     assert "no target A" in alone.headline
-    assert alone.metrics["step0_loss_remap"] == pytest.approx(m["step0_loss_remap"])
+    assert alone.metrics["heldout_loss_0_remap"] == pytest.approx(m["heldout_loss_0_remap"])

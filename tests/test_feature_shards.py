@@ -152,7 +152,7 @@ def test_a_finetune_on_loss_masked_features_matches_one_on_all(trained_target, c
     runs = {mode: finetune.run(compose_stage("finetune", common + [f"features={tmp_path / mode.value}",
                                                                    f"out={tmp_path / ('ft_' + mode.value)}"]))
             for mode in LastHidden}
-    assert {"preflight_step0_loss", "preflight_step0_acc", "val_loss"} <= set(runs[LastHidden.all].metrics)
+    assert {"preflight_loss_0", "preflight_full_acc_0", "val_loss"} <= set(runs[LastHidden.all].metrics)
     assert runs[LastHidden.all].metrics == runs[LastHidden.loss_masked].metrics  # preflight step-0 and val numbers
     weights = {mode: Eagle3Drafter.from_checkpoint(tmp_path / f"ft_{mode.value}" / "drafter").state_dict()
                for mode in LastHidden}

@@ -29,7 +29,9 @@ def read_metrics(out: Path) -> list[dict]:
 def test_scratch_finetune_learns_and_exports(scratch_run, training_map):
     out, result = scratch_run
     metrics = read_metrics(out)
-    train = [m for m in metrics if m["split"] == "train"]
+    every = [m for m in metrics if m["split"] == "train"]
+    assert [m["step"] for m in every] == list(range(1, 28)) and all("lr" in m for m in every)  # lr at every step
+    train = [m for m in every if "loss" in m]
     val = [m for m in metrics if m["split"] == "val"]
     assert len(val) == 3 and train[0]["step"] == 2 and train[-1]["step"] == 27  # 38 train chats / 4 = 9 per epoch
     assert train[-1]["loss"] < 0.6 * train[0]["loss"]
@@ -62,7 +64,7 @@ def test_guard_stops_as_is_and_remap_fixes_it(scratch_run, trained_target, chats
     consented = finetune.run(finetune_cfg(trained_target, chats, new_map, tmp_path / "as_is", "init=as_is",
                                           f"drafter={trained_drafter}", "guard.consent=true", "max_steps=1"))
     assert consented.metrics["preflight_misaligned"] > 0.5
-    assert consented.metrics["preflight_step0_acc"] < 0.1 < 0.4 < consented.metrics["preflight_remapped_step0_acc"]
+    assert consented.metrics["preflight_full_acc_0"] < 0.1 < 0.4 < consented.metrics["preflight_remapped_full_acc_0"]
 
     remapped = tmp_path / "remapped"
     remap.run(compose_stage("remap", [f"drafter={trained_drafter}", f"vocab_map={new_map}",
@@ -70,8 +72,8 @@ def test_guard_stops_as_is_and_remap_fixes_it(scratch_run, trained_target, chats
     fixed = finetune.run(finetune_cfg(trained_target, chats, new_map, tmp_path / "remap", "init=remap",
                                       f"drafter={remapped}", "max_steps=1"))
     assert fixed.metrics["preflight_misaligned"] == 0.0
-    assert fixed.metrics["preflight_step0_loss"] < 0.5 * consented.metrics["preflight_step0_loss"]
-    assert fixed.metrics["preflight_step0_acc"] > 0.4
+    assert fixed.metrics["preflight_loss_0"] < 0.5 * consented.metrics["preflight_loss_0"]
+    assert fixed.metrics["preflight_full_acc_0"] > 0.4
 
 
 def test_resume_after_a_stop_ends_with_the_same_weights(trained_target, chats, training_map, tmp_path):

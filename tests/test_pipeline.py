@@ -80,8 +80,8 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
     assert stages["remap"]["metrics"]["rows_remapped"] == stages["compare"]["metrics"]["shared_ids"]
     assert list((run_dir / "jobs").iterdir())  # submitit job folders and logs
     numbers = first_run["numbers"]
-    assert {"accept_len/phase0", "accept_len/phase1", "accept_len/scratch", "preflight/step0_loss/phase0",
-            "preflight/step0_loss/phase1", "val/full_acc_0/phase1"} <= set(numbers)
+    assert {"phase0/accept_len", "phase1/accept_len", "scratch/accept_len", "phase0/loss_0",
+            "phase1/loss_0", "phase1/val_acc_0"} <= set(numbers)
     assert not (run_dir / "jobs" / "%j").exists()  # one job folder per stage, no empty "%j"
 
     client = mlflow_client(outputs)
@@ -93,7 +93,7 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
     assert parent.data.metrics["stages/ran"] == len(NODES) and parent.data.metrics["stages/hit"] == 0
     children = child_runs(client, parent.info.run_id)
     assert set(children) == set(NODES)
-    assert children["evaluate"].data.metrics["accept_len"] == numbers["accept_len/phase1"]
+    assert children["evaluate"].data.metrics["accept_len"] == numbers["phase1/accept_len"]
     finetune = children["finetune"]
     assert finetune.data.params["lr"] == "0.003" and finetune.data.params["init"] == "remap"
     assert finetune.data.params["deepspeed.zero_stage"] == "0"
@@ -102,10 +102,10 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
     history = client.get_metric_history(finetune.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == [1, 2, 3, 4]
     assert finetune.data.metrics["val/full_acc_0"] == stages["finetune"]["metrics"]["val_full_acc_0"]
-    assert numbers["val/full_acc_0/phase1"] == stages["finetune"]["metrics"]["val_full_acc_0"]
+    assert numbers["phase1/val_acc_0"] == stages["finetune"]["metrics"]["val_full_acc_0"]
     names = set(finetune.data.metrics)  # one name per figure: no `val.loss` beside `val_loss`
     assert not [name for name in names if "." in name or name.startswith(("val_", "preflight_"))], names
-    assert {"train/loss", "val/loss", "preflight/step0_loss", "stage_seconds"} <= names
+    assert {"train/loss", "val/loss", "preflight/loss_0", "stage_seconds"} <= names
     assert {"accept_len", "turn/accept_len"} <= set(children["probe"].data.metrics)
     assert "sha256.drafter/model.safetensors" in finetune.data.tags
     artifacts = {item.path for item in client.list_artifacts(children["evaluate"].info.run_id)}
@@ -159,7 +159,7 @@ def test_a_sweep_runs_shared_stages_once(first_run, outputs):
         assert {child.data.tags["finetune.init"] for child in children.values()} == {run.data.tags["finetune.init"]}
     scratch = members["1"]  # its fine-tune is its baseline: one result, said once
     assert scratch.data.tags["finetune.init"] == "scratch" and scratch.data.tags["phase1_is_scratch"] == "true"
-    assert "accept_len/phase1" in scratch.data.metrics and "accept_len/scratch" not in scratch.data.metrics
+    assert "phase1/accept_len" in scratch.data.metrics and "scratch/accept_len" not in scratch.data.metrics
     assert child_runs(client, scratch.info.run_id)["baseline_finetune"].data.tags["same_computation_as"] == "finetune"
     again = regraft(outputs, *sweep, multirun=True)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -48,13 +48,13 @@ def finetune_output(out: Path) -> StageOutcome:
     (out / "drafter").mkdir(parents=True)
     (out / "drafter" / "model.safetensors").write_bytes(b"\0" * 4096)  # a checkpoint: hashed, not copied
     (out / "drafter" / "config.json").write_text("{}")
-    lines = [{"step": 0, "split": "preflight", "preflight_step0_loss": 2.5, "preflight_step0_acc": 0.4,
-              "preflight_as_is_step0_loss": 9.0},
+    lines = [{"step": 0, "split": "preflight", "preflight_loss_0": 2.5, "preflight_full_acc_0": 0.4,
+              "preflight_as_is_loss_0": 9.0},
              {"step": 1, "split": "train", "loss": 3.0, "full_acc_0": 0.2, "lr": 0.001},
              {"step": 2, "split": "train", "loss": 2.0, "full_acc_0": 0.3, "lr": 0.001},
              {"step": 2, "split": "val", "loss": 2.2, "full_acc_0": 0.35}]
     (out / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    metrics = {"preflight_step0_loss": 2.5, "preflight_step0_acc": 0.4, "preflight_as_is_step0_loss": 9.0,
+    metrics = {"preflight_loss_0": 2.5, "preflight_full_acc_0": 0.4, "preflight_as_is_loss_0": 9.0,
                "val_loss": 2.2, "val_full_acc_0": 0.35}
     manifest(out, metrics)
     return StageOutcome(str(out), False, metrics, "init=remap", 12.5)
@@ -109,7 +109,7 @@ def test_metric_names_tags_and_no_second_upload_on_a_cache_hit(tmp_path):
     first = nodes_and_outputs(tmp_path)
     sweep = invocation(["finetune.lr=1e-3", "finetune.init=remap", "debug=tiny"], ["finetune.lr", "finetune.init"],
                        "2026-01-01_00-00-00_1_2", 0)
-    numbers = {"accept_len/phase1": 2.0, "accept_len/phase0": 1.25}
+    numbers = {"phase1/accept_len": 2.0, "phase0/accept_len": 1.25}
     one = track(cfg, sweep, first, numbers)
     again = {name: (node, key, hit(outcome)) for name, (node, key, outcome) in first.items()}
     two = track(cfg, invocation(["finetune.lr=1e-3", "finetune.init=remap"], ["finetune.lr", "finetune.init"],
@@ -117,14 +117,14 @@ def test_metric_names_tags_and_no_second_upload_on_a_cache_hit(tmp_path):
 
     experiment = client.get_experiment_by_name("regraft")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
-    assert "accept_len/phase1" in experiment.tags["mlflow.note.content"]
+    assert "phase1/accept_len" in experiment.tags["mlflow.note.content"]
 
     parent = client.get_run(one.parent_id)
     assert parent.info.run_name == "lr=1e-3 init=remap" and parent.info.status == "FINISHED"
     assert {key: parent.data.tags[key] for key in ("sweep", "member", "swept", "finetune.lr", "finetune.init")} == {
         "sweep": "2026-01-01_00-00-00_1_2", "member": "0", "swept": "finetune.lr finetune.init",
         "finetune.lr": "1e-3", "finetune.init": "remap"}
-    assert parent.data.metrics == {"accept_len/phase1": 2.0, "accept_len/phase0": 1.25, "stages/ran": 2,
+    assert parent.data.metrics == {"phase1/accept_len": 2.0, "phase0/accept_len": 1.25, "stages/ran": 2,
                                    "stages/hit": 0}
     assert client.get_run(two.parent_id).data.metrics["stages/hit"] == 2
     assert "2 of 2 stages ran" in parent.data.tags["mlflow.note.content"]
@@ -137,7 +137,7 @@ def test_metric_names_tags_and_no_second_upload_on_a_cache_hit(tmp_path):
     assert finetune.info.run_name == "finetune · lr=1e-3 init=remap"
     assert finetune.data.tags["sweep"] == "2026-01-01_00-00-00_1_2" and finetune.data.tags["finetune.lr"] == "1e-3"
     # one name per figure: the series' points, never `val.loss` beside `val_loss`
-    assert set(finetune.data.metrics) == {"preflight/step0_loss", "preflight/step0_acc", "preflight/as_is_step0_loss",
+    assert set(finetune.data.metrics) == {"preflight/loss_0", "preflight/full_acc_0", "preflight/as_is_loss_0",
                                           "train/loss", "train/full_acc_0", "train/lr", "val/loss", "val/full_acc_0",
                                           "stage_seconds"}
     assert finetune.data.metrics["val/full_acc_0"] == 0.35 and finetune.data.metrics["stage_seconds"] == 12.5
@@ -186,7 +186,7 @@ def test_a_hit_in_a_new_store_uploads_once_and_a_scratch_member_says_phase1_is_s
                                         False)
         tracker.finish_stage(ids[name], finetune if name == "finetune" else hit(finetune))
     summary = summary_of({"finetune": ("finetune", "cccc", False), "baseline_finetune": ("finetune", "cccc", True)},
-                         {"accept_len/phase1": 1.5})
+                         {"phase1/accept_len": 1.5})
     summary.update(one_computation=[["finetune", "baseline_finetune"]], phase1_is_scratch=True)
     tracker.finish("FINISHED", {}, summary["numbers"], [], summary)
     parent = client.get_run(tracker.parent_id)
@@ -219,8 +219,8 @@ def test_a_half_created_store_is_repaired(tmp_path):
     engine.dispose()
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     tracker = Tracker(tracking_cfg(uri, tmp_path), invocation([]), tags={})
-    tracker.finish("FINISHED", {}, {"accept_len/phase1": 1.0}, [])
-    assert client_of(uri).get_run(tracker.parent_id).data.metrics == {"accept_len/phase1": 1.0}
+    tracker.finish("FINISHED", {}, {"phase1/accept_len": 1.0}, [])
+    assert client_of(uri).get_run(tracker.parent_id).data.metrics == {"phase1/accept_len": 1.0}
 
 
 def test_a_store_that_cannot_be_migrated_is_named_in_one_line(tmp_path):
@@ -251,7 +251,7 @@ print("ready", flush=True)
 while not Path(sys.argv[3]).exists():
     time.sleep(0.002)
 tracker = Tracker(cfg, invocation([f"finetune.seed={sys.argv[4]}"]), tags={})
-tracker.finish("FINISHED", {}, {"accept_len/phase1": 1.0}, [])
+tracker.finish("FINISHED", {}, {"phase1/accept_len": 1.0}, [])
 """
 
 
@@ -314,12 +314,12 @@ def test_names_tags_and_hits_through_a_tracking_server(mlflow_server, tmp_path):
     cfg, client = tracking_cfg(uri, tmp_path), client_of(uri)
     outputs = nodes_and_outputs(tmp_path)
     member = invocation(["finetune.lr=0.003", "finetune.init=remap"], ["finetune.lr", "finetune.init"], "sw", 1)
-    first = track(cfg, member, outputs, {"accept_len/phase1": 2.0, "accept_len/scratch": 1.5})
+    first = track(cfg, member, outputs, {"phase1/accept_len": 2.0, "scratch/accept_len": 1.5})
     second = track(cfg, member, {n: (node, key, hit(o)) for n, (node, key, o) in outputs.items()}, {})
     experiment = client.get_experiment_by_name("regraft")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     parents = client.search_runs([experiment.experiment_id], "tags.kind = 'pipeline' and tags.sweep = 'sw'",
-                                 order_by=["metrics.`accept_len/phase1` DESC"])
+                                 order_by=["metrics.`phase1/accept_len` DESC"])
     assert [run.info.run_id for run in parents] == [first.parent_id, second.parent_id]
     assert parents[0].info.run_name == "lr=0.003 init=remap" and parents[0].data.tags["finetune.init"] == "remap"
     children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{second.parent_id}'")
@@ -367,8 +367,8 @@ def test_tables_fit_80_columns(tmp_path, capsys):
         (sweep / str(member)).mkdir(parents=True)
         (sweep / str(member) / "summary.json").write_text(json.dumps({
             "overrides": [*fixed, f"finetune.lr={lr}", f"finetune.init={init}"], "phase1_is_scratch": init == "scratch",
-            "numbers": {"accept_len/phase0": 1.3, "accept_len/phase1": 1.8,
-                        **({"accept_len/scratch": 1.5} if init == "remap" else {})},
+            "numbers": {"phase0/accept_len": 1.3, "phase1/accept_len": 1.8,
+                        **({"scratch/accept_len": 1.5} if init == "remap" else {})},
             "stages": {"finetune": {"hit": member == 1}}}))
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}, "sweeper": {"params": None}, "overrides": {
         "task": [*fixed, "finetune.lr=1e-3", "finetune.init=remap,scratch"]}}})
@@ -407,12 +407,31 @@ def test_four_runs_started_together_share_one_store_and_cache(tmp_path):
         sum(not stage["hit"] for stage in summary["stages"].values()) for summary in summaries)
     holders = set()
     for parent in parents:
-        assert parent.info.run_name == "debug=tiny" and "accept_len/phase1" in parent.data.metrics
+        assert parent.info.run_name == "debug=tiny" and "phase1/accept_len" in parent.data.metrics
         children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
         assert sorted(run.data.tags["node"] for run in children) == sorted(nodes)
         for run in children:
             assert run.info.status == "FINISHED" and "stage_seconds" in run.data.metrics, run.data.tags["node"]
             holders.add((run.data.tags["node"], run.data.tags["artifacts_run"]))
         evaluate = next(run for run in children if run.data.tags["node"] == "evaluate")
-        assert parent.data.metrics["accept_len/phase1"] == evaluate.data.metrics["accept_len"]
+        assert parent.data.metrics["phase1/accept_len"] == evaluate.data.metrics["accept_len"]
     assert len(holders) == len(nodes)  # each stage's artifacts are held by one run, whichever of the four
+
+
+def test_parent_figures_differ_in_the_first_12_characters_mlflow_shows():
+    from pipelines.summary import LABELS
+
+    names = [*LABELS, "stages/ran", "stages/hit"]
+    heads = [name[:12] for name in names]
+    assert len(set(heads)) == len(heads), sorted(heads)
+
+
+def test_a_figure_has_one_name():
+    """cond_acc_0 is full_acc_0 by definition, and is not logged twice."""
+    import torch
+
+    from stages.common.ttt import ttt_metrics
+
+    metrics = ttt_metrics(torch.tensor([1.0, 2.0]), torch.tensor([3, 1]), torch.tensor([4, 4]), torch.tensor([3, 1]),
+                          torch.tensor([4, 3]))
+    assert "cond_acc_0" not in metrics and metrics["full_acc_0"] == 0.75 and metrics["cond_acc_1"] == pytest.approx(1 / 3)

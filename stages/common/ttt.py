@@ -102,8 +102,9 @@ def ttt_metrics(step_losses: torch.Tensor, correct: torch.Tensor, valid: torch.T
     accept, chain = 1.0, 1.0
     for k in range(len(step_losses)):
         cond_acc = float(cond_correct[k]) / max(float(cond_valid[k]), 1.0)
-        metrics.update({f"loss_{k}": float(step_losses[k]), f"full_acc_{k}": float(correct[k]) / max(float(valid[k]), 1.0),
-                        f"cond_acc_{k}": cond_acc})
+        metrics.update({f"loss_{k}": float(step_losses[k]), f"full_acc_{k}": float(correct[k]) / max(float(valid[k]), 1.0)})
+        if k > 0:  # step 0 has no earlier steps: its conditional accuracy is full_acc_0, one figure with one name
+            metrics[f"cond_acc_{k}"] = cond_acc
         chain *= cond_acc
         accept += chain
     metrics["sim_accept_len"] = accept

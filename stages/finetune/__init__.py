@@ -6,7 +6,8 @@ and the drafter to start from (`init`):
 `remap` (the remap stage's output), `scratch` (a fresh layer; lm_head rows from the verifier) or `as_is` (a drafter
 trained on another map, used unchanged: the known way to waste a fine-tune, refused by the guard unless consented).
 Out: `drafter/` (the best drafter by validation loss, sglang layout, the training map's d2t/t2d), `metrics.jsonl`
-(train metrics every `log_every` steps, validation every epoch, preflight), `manifest.json`.
+(lr and grad norm every optimizer step, the other train metrics every `log_every` steps, validation every epoch,
+preflight), `manifest.json`.
 DeepSpeed checkpoints go to `checkpoint_dir` (default `<out>.checkpoints`), so a stopped run resumes from them.
 The preflight guard is `guard.py`, the training loop `loop.py`.
 
@@ -82,6 +83,7 @@ class GuardConfig:
 @dataclass
 class FinetuneConfig:
     target: str = MISSING  # target model folder (the verifier)
+    target_name: Optional[str] = None  # the hub id the target is deployed by, recorded in the drafter (None: target)
     data: Optional[str] = None  # chat JSONL for the target (online); not needed with `features`
     vocab_map: str = MISSING  # the training draft vocab
     out: str = MISSING
@@ -283,7 +285,7 @@ def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
     if rank == 0:
         with torch.device("meta"):
             # a plain module (the engine's may hold ZeRO-3 partitions) that names the target it was trained for
-            best = Eagle3Drafter(replace(drafter.config, verifier=str(Path(cfg.target).absolute())))
+            best = Eagle3Drafter(drafter.config.with_verifier(cfg.target, cfg.target_name))
         best.load_state_dict(best_state, assign=True)
         with staged_output(cfg.out, "finetune", cfg) as staged:
             best.save(staged.path / "drafter", layout="sglang")

@@ -39,10 +39,15 @@ class Preflight:
         return 1.0 - self.positions_agree / max(self.draft_vocab_size, 1)
 
     def metrics(self) -> dict[str, float]:
-        values = {"preflight_positions_agree": self.positions_agree, "preflight_misaligned": self.misaligned,
-                  "preflight_shared_ids": self.shared_ids, "preflight_step0_acc": self.step0_acc,
-                  "preflight_step0_loss": self.step0_loss, "preflight_remapped_step0_acc": self.remapped_step0_acc,
-                  "preflight_as_is_step0_acc": self.as_is_step0_acc, "preflight_as_is_step0_loss": self.as_is_step0_loss}
+        """One name per figure: `loss_0`/`full_acc_0` as the TTT series name them (step 0 of TTT, at optimizer step
+        0, on the first training batch); the remapped figure only where the drafter's own map differs from the
+        training map (else it is the drafter as given, already `full_acc_0`); the map figures say which maps."""
+        values = {"preflight_own_map_positions_agree": self.positions_agree, "preflight_misaligned": self.misaligned,
+                  "preflight_own_map_shared_ids": self.shared_ids, "preflight_full_acc_0": self.step0_acc,
+                  "preflight_loss_0": self.step0_loss, "preflight_as_is_full_acc_0": self.as_is_step0_acc,
+                  "preflight_as_is_loss_0": self.as_is_step0_loss}
+        if self.positions_agree < self.draft_vocab_size:
+            values["preflight_remapped_full_acc_0"] = self.remapped_step0_acc
         return {k: float(v) for k, v in values.items() if v is not None}
 
 

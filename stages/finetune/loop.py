@@ -237,10 +237,11 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                 continue
             progress.step += 1
             bar.update(1)
+            logged = {"lr": lr, "grad_norm": grad_norm}  # every optimizer step: a warmup of 2 steps is seen
             if progress.step % cfg.log_every == 0 or progress.step == total_steps:
                 elapsed = time.perf_counter() - started
-                log.write(progress.step, "train", {**stats.metrics(), "lr": lr, "grad_norm": grad_norm,
-                                                   "tokens_per_s": tokens * world / max(elapsed, 1e-9)})
+                logged.update(stats.metrics(), tokens_per_s=tokens * world / max(elapsed, 1e-9))
+            log.write(progress.step, "train", logged)
             stopping = stop.agreed(world, engine.device)
             if progress.step % cfg.checkpoint_every == 0 or stopping:
                 save_checkpoint()

@@ -1,0 +1,70 @@
+"""What every MLflow store a regraft run leaves must hold, whatever ran beside it (sweeps, runs started together):
+
+- no run of any status is left RUNNING, and no child run says `cache_hit=pending`;
+- a child run that names a cache output (`out`) is that node's output: its stage and key, the output the member's
+  summary.json gives for the node, and every figure and series point equal to what that output's manifest and
+  per-step logs hold, as pipelines/tracking.py names them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from pipelines.tracking import stage_metrics
+from stages.common.artifacts import read_manifest
+
+
+def all_runs(client: MlflowClient, experiment: str = "regraft") -> list:
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id], max_results=5000) if found else []
+
+
+def expected_figures(out: Path) -> dict[tuple[str, int], float]:
+    """(metric, step) -> value, as the tracker logs a stage output (stage_seconds aside: a hit keeps the original's)."""
+    manifest = read_manifest(out) or {}
+    return {(name, step): value for name, value, step in stage_metrics(manifest.get("metrics", {}), out)}
+
+
+def logged_figures(client: MlflowClient, run) -> dict[tuple[str, int], float]:
+    figures = {}
+    for name in run.data.metrics:
+        if name != "stage_seconds":
+            figures.update({(name, point.step): point.value for point in client.get_metric_history(run.info.run_id,
+                                                                                                     name)})
+    return figures
+
+
+def member_outputs(parents: list) -> dict[str, dict[str, str]]:
+    """parent run id -> {node: its output}, from each member's summary.json."""
+    outputs = {}
+    for parent in parents:
+        summary = Path(parent.data.tags["run_dir"]) / "summary.json"
+        stages = json.loads(summary.read_text())["stages"] if summary.exists() else {}
+        outputs[parent.info.run_id] = {node: stage["out"] for node, stage in stages.items()}
+    return outputs
+
+
+def check_store(uri: str) -> int:
+    """Asserts the rules above for every run in the store; returns how many child runs were held to a manifest."""
+    client = MlflowClient(uri)
+    runs = all_runs(client)
+    assert runs, f"no runs in {uri}"
+    stuck = [(run.info.run_name, run.info.status, run.data.tags.get("cache_hit")) for run in runs
+             if run.info.status == "RUNNING" or run.data.tags.get("cache_hit") == "pending"]
+    assert not stuck, f"runs left running or pending: {stuck}"
+    parents = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
+    outputs = member_outputs(parents)
+    checked = 0
+    for run in runs:
+        tags = run.data.tags
+        if "mlflow.parentRunId" not in tags or "out" not in tags:
+            continue
+        out, name = Path(tags["out"]), run.info.run_name
+        assert (out.parent.name, out.name) == (tags["stage"], tags["cache_key"]), f"{name}: {out} is not its output"
+        own = outputs[tags["mlflow.parentRunId"]].get(tags["node"])
+        assert own is None or own == str(out), f"{name}: holds {out}, its member's {tags['node']} is {own}"
+        assert logged_figures(client, run) == expected_figures(out), f"{name}: figures differ from {out}"
+        checked += 1
+    return checked
