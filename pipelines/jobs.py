@@ -57,6 +57,8 @@ class StageOutcome:
     headline: str = ""
     seconds: float = 0.0
     versions: dict[str, str] = field(default_factory=dict)  # of the packages that made it (manifest)
+    engine_versions: dict[str, str] = field(default_factory=dict)  # of the engine's interpreter, if one ran
+    engine_python: str = ""  # that interpreter
 
 
 def stage_config(stage: str, config: dict[str, Any]):
@@ -113,7 +115,8 @@ def reported_error(log: str | Path | None) -> str | None:
 def outcome_from_manifest(out: Path, hit: bool, seconds: float) -> StageOutcome:
     manifest = read_manifest(out) or {}
     return StageOutcome(str(out), hit, manifest.get("metrics", {}), manifest.get("headline", ""), seconds,
-                        manifest.get("versions", {}))
+                        manifest.get("versions", {}), manifest.get("engine_versions", {}),
+                        manifest.get("engine_python", ""))
 
 
 def run_stage(stage: str, config: dict[str, Any]) -> StageOutcome:

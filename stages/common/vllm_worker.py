@@ -17,9 +17,10 @@ nothing vLLM or its spawned workers print can corrupt the protocol.
 An engine's settings (`start`): `model`, `dtype`, `max_model_len`, `seed`, `speculative` (vLLM's
 `speculative_config` or null), `kv_transfer` (its `kv_transfer_config` or null), plus the CPU settings the parent
 picked (`gpu_memory_utilization`, `enforce_eager`, ...). The first line the worker writes, once vLLM is imported,
-is `{"imported": s}`. One worker can start engines one after another (a probe's speculative and plain ones): with
-the engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) the second start takes seconds, not the
-minute of imports a fresh process pays.
+is `{"imported": s, "versions": {...}}`: this interpreter's versions of the packages that change numbers (vllm,
+torch, transformers, ...), which the stage records in its manifest. One worker can start engines one after another
+(a probe's speculative and plain ones): with the engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)
+the second start takes seconds, not the minute of imports a fresh process pays.
 """
 from __future__ import annotations
 
@@ -144,7 +145,9 @@ def main() -> int:
     start = time.perf_counter()
     import vllm  # noqa: F401  (the minute of imports, reported apart from the engine's own start)
 
-    out.write(json.dumps({"imported": time.perf_counter() - start}) + "\n")
+    from stages.common.artifacts import package_versions  # standard library only at import
+
+    out.write(json.dumps({"imported": time.perf_counter() - start, "versions": package_versions()}) + "\n")
     serve(sys.stdin, out)
     return 0
 
