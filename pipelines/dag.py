@@ -151,6 +151,9 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
     for node in nodes:
         if "trust_remote_code" in node.config and not node.name.startswith("source_"):
             node.config.trust_remote_code = node.config.trust_remote_code or cfg.target.trust_remote_code
+        for key in ("target_name", "verifier_name"):  # the nodes that record the new target in a drafter
+            if key in node.config and not node.name.startswith("source_"):
+                node.config[key] = cfg.target.name
     return without_unused_setup(nodes)
 
 

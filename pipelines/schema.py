@@ -26,6 +26,8 @@ from stages.world import WorldConfig
 @dataclass
 class TargetConfig:
     path: str = MISSING  # model folder (config.json, safetensors, tokenizer), or @world/target_b
+    name: Optional[str] = None  # the hub id it is deployed by: exported drafters name their verifier by it (None:
+    # the path above, or none for a stage output such as @world/target_b, which exists in this cache only)
     trust_remote_code: bool = False  # every stage that loads the target runs the code in its folder (Kimi's)
 
 

@@ -44,7 +44,7 @@ from stages.common.chat import load_tokenizer, read_conversations
 from stages.common.chat_prompts import prompt_ids, stop_ids
 from stages.common.stage import StageResult, register_schema, setting, stage_main
 from stages.common.checkpoint import DrafterCheckpoint
-from stages.common.drafter_config import check_drafter_fits_target, target_config
+from stages.common.drafter_config import check_drafter_fits_target, parse_config, target_config
 from stages.common.eagle3 import Eagle3Drafter
 from stages.common.errors import RegraftError
 from stages.common.sglang_backend import SglangConfig, accept_length, aux_convention_warning, run_sglang
@@ -326,6 +326,7 @@ def run(cfg: DictConfig) -> StageResult:
         else None
     if drafter_config is None:
         raise RegraftError(drafter_path, "no drafter config.json", "give drafter= a drafter checkpoint folder")
+    parse_config(drafter_config, drafter_path / "config.json")  # every backend: refused before an engine starts
     tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
     conversations = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed)
     # the vllm backend serves a converted copy in vLLM's convention, so only SGLang can read the ids wrong

@@ -48,6 +48,7 @@ class RemapConfig:
     drafter: str = MISSING  # source drafter folder, either layout
     vocab_map: str = MISSING  # destination map: vocab_map folder, SpecForge .pt, or a drafter checkpoint
     verifier: Optional[str] = None  # target model folder; needed by fallback=verifier and verifier_lm_head
+    verifier_name: Optional[str] = None  # the hub id the verifier is deployed by (None: the folder as given)
     out: str = MISSING
     fallback: Fallback = Fallback.verifier  # rows the source vocab lacks: verifier | random | mean
     match_source_scale: bool = False  # rescale verifier rows to the mean row norm of the source lm_head
@@ -190,8 +191,9 @@ def run(cfg: DictConfig) -> StageResult:
     comparison = compare_vocab_maps(source_map, dest)
     layout = source.layout if cfg.layout == OutputLayout.source else OutputLayout(cfg.layout).value
     layer = {**source.config.layer, "vocab_size": dest.vocab_size}
-    config = replace(source.config, layer=layer, draft_vocab_size=dest.draft_vocab_size,
-                     verifier=str(Path(cfg.verifier).absolute()) if cfg.verifier else source.config.verifier)
+    config = replace(source.config, layer=layer, draft_vocab_size=dest.draft_vocab_size)
+    if cfg.verifier:
+        config = config.with_verifier(cfg.verifier, cfg.verifier_name)
     tensors = plan_tensors(cfg, source, dest, plan, verifier)
     metrics = {**asdict(counts), "positions_agree_before": comparison.positions_agree,
                "shared_ids": comparison.shared_ids}

@@ -150,14 +150,18 @@ def write_drafter(out_dir: str | Path, config: DrafterConfig, tensors: dict[str,
     return out
 
 
-def convert_checkpoint(source: str | Path, out_dir: str | Path, layout: Layout,
-                       aux_convention: str | None = None, verifier: str | None = None) -> Path:
+def convert_checkpoint(source: str | Path, out_dir: str | Path, layout: Layout, aux_convention: str | None = None,
+                       verifier: str | None = None, verifier_name: str | None = None) -> Path:
     """Rewrite a checkpoint in another layout, streaming its tensors; its aux ids in the convention the layout's
-    engines read unless `aux_convention` says otherwise; `verifier` names the target it was trained for."""
+    engines read unless `aux_convention` says otherwise. `verifier` (a target folder or hub id) is the target it
+    serves, deployed as `verifier_name` (default: `verifier` as given; `DrafterConfig.with_verifier`); without
+    either, the verifier the checkpoint records."""
     from stages.common.artifacts import staged_output
 
     checkpoint = DrafterCheckpoint.open(source)
-    config = replace(checkpoint.config, verifier=verifier) if verifier else checkpoint.config
+    config = checkpoint.config
+    if verifier or verifier_name:
+        config = config.with_verifier(verifier or verifier_name, verifier_name)
     convention = aux_convention or LAYOUT_CONVENTION[layout]
     with staged_output(out_dir, "convert", {"source": str(source), "layout": layout,
                                             "aux_convention": convention}) as staged:
@@ -173,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", choices=LAYOUTS, required=True)
     parser.add_argument("--aux-convention", choices=CONVENTIONS,
                         help="default: the layout's engines' (sglang: output_of_layer, speculators: input_of_layer)")
-    parser.add_argument("--verifier", help="the target folder the drafter was trained for (speculators records it)")
+    parser.add_argument("--verifier", help="the target folder (or hub id) the drafter serves: speculators records "
+                        "its name and architectures (default: what the checkpoint records)")
+    parser.add_argument("--verifier-name", help="the hub id the verifier is deployed by (default: --verifier as given)")
     args = parser.parse_args(argv)
     try:
-        convert_checkpoint(args.source, args.out, args.layout, args.aux_convention, args.verifier)
+        convert_checkpoint(args.source, args.out, args.layout, args.aux_convention, args.verifier, args.verifier_name)
     except RegraftError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

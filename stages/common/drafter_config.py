@@ -9,6 +9,16 @@
 speculators) name the same tensors and differ by one. The convention is recorded in a `regraft` block of every
 config regraft writes; a config without it gets it inferred, and says so. The checkpoint's tensors are read and
 written by stages/common/checkpoint.py.
+
+Every key of a drafter config is known or refused (`check_keys`), at every level (top, `eagle_config`,
+`transformer_layer_config`): engines apply keys regraft would ignore (vLLM decodes `norm_output: true` differently),
+so a drafter is decoded here the way its engines decode it, or not at all. The rule: a key regraft reads
+(`STRUCTURAL_KEYS`) or that cannot change what the drafter computes (`METADATA_KEYS`) is accepted with any value; a key
+that changes the forward (`FUNCTION_KEYS`) is accepted only at the value regraft implements (absent and null read as
+that value); any other key is refused, since no one can tell it is harmless.
+
+An export names the verifier as it will be deployed (`verifier_identity`): a hub id when given, else the target
+folder as the user gave it, never a folder inside a regraft stage output (the cache exists on one machine only).
 """
 from __future__ import annotations
 
@@ -18,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from stages.common.artifacts import read_manifest
 from stages.common.errors import RegraftError
 
 Layout = Literal["sglang", "speculators"]
@@ -57,7 +68,8 @@ class DrafterConfig:
     aux_convention_source: str = "recorded"  # or how it was inferred
     target_num_layers: int | None = None
     norm_before_residual: bool = False
-    verifier: str | None = None  # the target folder it was trained for (speculators' verifier.name_or_path)
+    verifier: str | None = None  # the target it was trained for, as deployed (`verifier_identity`); None: unknown
+    verifier_architectures: list[str] = field(default_factory=list)  # that target's config.json architectures
     extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys, kept as they were
     # Keys only one layout understands, by layout; written in that layout, stashed in the `regraft` block otherwise.
     layout_extras: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -103,6 +115,12 @@ class DrafterConfig:
     def attention_bias(self) -> bool:
         return bool(self.layer.get("attention_bias", False))
 
+    def with_verifier(self, target_dir: str | Path, name: str | None = None) -> "DrafterConfig":
+        """Trained for the target in `target_dir`, deployed as `name` (`verifier_identity`); a folder that is not
+        there (a hub id given as the target) keeps the architectures recorded before."""
+        verifier, architectures = verifier_identity(target_dir, name)
+        return replace(self, verifier=verifier, verifier_architectures=architectures or self.verifier_architectures)
+
     def with_aux_convention(self, convention: str) -> "DrafterConfig":
         """The same layers, named in the other convention (ids shift by one)."""
         ids = self.aux_layer_ids and convert_aux_layer_ids(self.aux_layer_ids, self.aux_convention, convention)
@@ -136,6 +154,62 @@ class DrafterConfig:
     def optional_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"embed_tokens.weight": (self.vocab_size, self.hidden_size),
                 "verifier_lm_head.weight": (self.draft_vocab_size, self.aux_hidden_size)}
+
+
+# ---------------------------------------------------------------- the keys regraft knows
+
+# Read by regraft: the layer's shape, the draft vocab, the aux layers, the layout's own blocks.
+STRUCTURAL_KEYS = frozenset({
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "attention_bias", "vocab_size", "draft_vocab_size",
+    "target_hidden_size", "norm_before_residual", "eagle_config", "eagle_aux_hidden_state_layer_ids",
+    "speculators_model_type", "transformer_layer_config", "speculators_config", "regraft"})
+# Cannot change what the drafter computes at inference: provenance, the dtype on disk, token ids, cache and training
+# switches, the position limit (RoPE does not read it), embedding tying (the drafter has no embedding of its own).
+METADATA_KEYS = frozenset({
+    "torch_dtype", "dtype", "transformers_version", "_name_or_path", "auto_map", "bos_token_id", "eos_token_id",
+    "pad_token_id", "initializer_range", "use_cache", "pretraining_tp", "tie_word_embeddings",
+    "max_position_embeddings", "max_window_layers", "speculators_version", "embed_requires_grad", "enable_sp_ulysses",
+    "num_lookahead_tokens"})
+# Change the forward, by the value regraft implements: one Llama layer, plain RoPE, SiLU MLP without biases, EAGLE-3's
+# norms, the aux states through fc. The EAGLE-3.1 toggles (vLLM's llama_eagle3.py, speculators' algos), MLA
+# (deepseek_eagle3.py), scaled RoPE and the rest are refused at any other value until regraft implements them.
+FUNCTION_KEYS: dict[str, Any] = {
+    "norm_output": False, "fc_norm": False, "norm_before_fc": False, "use_aux_hidden_state": True,
+    "num_hidden_layers": 1, "hidden_act": "silu", "mlp_bias": False, "qkv_bias": False, "bias": False,
+    "logit_scale": 1.0, "is_causal": True, "attention_dropout": 0.0, "rope_scaling": None,
+    "use_sliding_window": False, "sliding_window": None, "layer_types": None, "parallel_drafting": False,
+    "kv_lora_rank": None, "q_lora_rank": None, "qk_rope_head_dim": None, "qk_nope_head_dim": None,
+    "v_head_dim": None}
+PLAIN_ROPE = (None, "default")
+
+
+def _implemented(key: str, value: Any) -> bool:
+    if value is None or value == FUNCTION_KEYS.get(key):
+        return True
+    if key in ("rope_scaling", "rope_parameters") and isinstance(value, dict):
+        return value.get("rope_type", value.get("type")) in PLAIN_ROPE
+    if key == "layer_types":  # vLLM gives a "sliding_attention" layer a window
+        return isinstance(value, list) and set(value) <= {"full_attention"}
+    return key == "rope_parameters"  # a plain number or list: transformers' own shapes, read for rope_theta only
+
+
+def check_keys(raw: dict[str, Any], path: Path, where: str = "") -> None:
+    """Refuse, with one line naming the key, a config regraft would decode differently from its engines."""
+    for key, value in raw.items():
+        name = f"{where}{key}"
+        if key in FUNCTION_KEYS or key == "rope_parameters":
+            if not _implemented(key, value):
+                raise RegraftError(path, f"{name}={json.dumps(value)} changes how the drafter decodes, and regraft "
+                                   f"does not implement it (engines apply it, so regraft's numbers would be wrong)",
+                                   f"use a drafter without {key} (or with {key}={json.dumps(FUNCTION_KEYS.get(key))})")
+        elif key not in STRUCTURAL_KEYS and key not in METADATA_KEYS:
+            raise RegraftError(path, f"unknown drafter config key {name}: engines may apply it, regraft would not",
+                               f"remove it; if it cannot change the drafter's function, add it to METADATA_KEYS in "
+                               f"stages/common/drafter_config.py")
+    for block in ("eagle_config", "transformer_layer_config"):
+        if isinstance(raw.get(block), dict):
+            check_keys(raw[block], path, f"{where}{block}.")
 
 
 # ---------------------------------------------------------------- config.json <-> DrafterConfig
@@ -172,6 +246,7 @@ def _infer_convention(ids: list[int] | None, layout: Layout) -> tuple[str, str]:
 
 def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig]:
     layout = detect_layout(raw, path)
+    check_keys(raw, path)
     recorded = dict(raw.get("regraft") or {})
     layout_extras = {name: dict(keys) for name, keys in (recorded.get("layout_extras") or {}).items()}
     if layout == "sglang":
@@ -184,6 +259,9 @@ def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig
         extra = {}
     else:
         layer = dict(raw.get("transformer_layer_config") or {})
+        if layer.get("model_type", "llama") != "llama":  # vLLM builds a qwen3 layer (q/k norms) for "qwen3"
+            raise RegraftError(path, f"transformer_layer_config.model_type={layer['model_type']!r}: regraft's drafter "
+                               "is a Llama layer", "use a drafter with a llama layer")
         ids = raw.get("eagle_aux_hidden_state_layer_ids")
         rest = {k: v for k, v in raw.items() if k not in SPECULATORS_KEYS}
         own = {k: v for k, v in rest.items() if k in SPECULATORS_ONLY_KEYS and k not in recorded.get("generated", [])}
@@ -195,6 +273,7 @@ def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig
             raise RegraftError(path, f"{layout} drafter config has no {key}", "add the Llama layer fields")
     if "draft_vocab_size" not in raw:
         raise RegraftError(path, "drafter config has no draft_vocab_size", "set it to the lm_head row count")
+    named = (raw.get("speculators_config") or {}).get("verifier") or {}
     if recorded.get("aux_convention") in CONVENTIONS:
         convention, source = recorded["aux_convention"], "recorded"
     else:
@@ -203,9 +282,10 @@ def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig
         layer=layer, draft_vocab_size=int(raw["draft_vocab_size"]), target_hidden_size=raw.get("target_hidden_size"),
         aux_layer_ids=list(ids) if ids else None, aux_convention=convention, aux_convention_source=source,
         target_num_layers=recorded.get("target_num_layers"),
-        norm_before_residual=bool(raw.get("norm_before_residual", False)),
-        verifier=recorded.get("verifier") or ((raw.get("speculators_config") or {}).get("verifier") or {}).get(
-            "name_or_path"), extra=extra, layout_extras=layout_extras)
+        norm_before_residual=bool(raw.get("norm_before_residual", layout == "speculators")),  # vLLM's defaults
+        verifier=deployable(recorded.get("verifier") or named.get("name_or_path")),
+        verifier_architectures=list(recorded.get("verifier_architectures") or named.get("architectures") or []),
+        extra=extra, layout_extras=layout_extras)
     return layout, config
 
 
@@ -216,11 +296,11 @@ LAYOUT_CONVENTION = {"sglang": OUTPUT_OF_LAYER, "speculators": INPUT_OF_LAYER}
 
 def speculators_config(config: DrafterConfig, own: dict[str, Any] | None) -> dict[str, Any]:
     """The `speculators_config` block (proposal method, verifier), the source's own where it had one; the verifier
-    named wherever regraft knows it (speculators' own from_pretrained fails on a null one)."""
+    as regraft recorded it (a remapped drafter serves another target than its source's block names), or null
+    (vLLM needs the key only; `vllm serve EXPORT` loads the verifier by this name)."""
     block = copy.deepcopy(own if own is not None else DEFAULT_SPECULATORS_CONFIG)
-    verifier = block.setdefault("verifier", {"name_or_path": None, "architectures": []})
-    if not verifier.get("name_or_path") and config.verifier:
-        verifier["name_or_path"] = config.verifier
+    block["verifier"] = {**block.get("verifier", {}), "name_or_path": config.verifier,
+                         "architectures": list(config.verifier_architectures)}
     return block
 
 
@@ -232,7 +312,7 @@ def render_config(config: DrafterConfig, layout: Layout, aux_convention: str | N
     own = dict(config.layout_extras.get(layout, {}))
     stashed = {name: keys for name, keys in config.layout_extras.items() if name != layout and keys}
     regraft: dict[str, Any] = {"aux_convention": config.aux_convention, "target_num_layers": config.target_num_layers,
-                               "verifier": config.verifier}
+                               "verifier": config.verifier, "verifier_architectures": config.verifier_architectures}
     if layout == "sglang":
         eagle = dict(own.pop("eagle_config", {}))
         if config.aux_layer_ids is not None:
@@ -275,6 +355,27 @@ def target_config(target_dir: str | Path) -> dict[str, Any]:
                            "point at the folder save_pretrained wrote for the target")
     raw = json.loads(config.read_text())
     return raw.get("text_config") or raw
+
+
+def in_stage_output(path: Path) -> bool:
+    """Whether `path` lies inside a complete regraft stage output (the cache: it exists on this machine only)."""
+    return any(read_manifest(folder) is not None for folder in (path, *path.parents))
+
+
+def deployable(name: str | None) -> str | None:
+    """`name` unless it is a folder inside a regraft stage output (records written before exports were named)."""
+    return None if not name or in_stage_output(Path(name).absolute()) else name
+
+
+def verifier_identity(target_dir: str | Path, name: str | None = None) -> tuple[str | None, list[str]]:
+    """How an export names its verifier: `name` (the hub id it is deployed by) when given, else the target folder as
+    the user gave it (made absolute: the export moves; a hub id as it is), None for a folder inside the cache; and the
+    architectures of the target's own config.json (its top level: Kimi-K2.5's multimodal class is what is served)."""
+    folder = Path(target_dir)
+    if not (folder / "config.json").exists():  # a hub id: nothing here to read
+        return name or str(target_dir), []
+    architectures = list(json.loads((folder / "config.json").read_text()).get("architectures") or [])
+    return name or deployable(str(folder.absolute())), architectures
 
 
 def drafter_config_for(target_dir: str | Path, draft_vocab_size: int,
