@@ -49,6 +49,15 @@ def stage_module(stage: str) -> ModuleType:
     return importlib.import_module(f"stages.{stage}")  # importing registers the schema
 
 
+def stage_names() -> list[str]:
+    """Every stage: the modules and packages under stages/ but its library (common)."""
+    import pkgutil
+
+    import stages
+
+    return sorted(module.name for module in pkgutil.iter_modules(stages.__path__) if module.name != "common")
+
+
 @dataclass
 class StageOutcome:
     out: str
@@ -165,7 +174,7 @@ def rank_of_job(stage: str, config: dict[str, Any]) -> StageOutcome:
     module, cfg = stage_config(stage, config)
     if not isinstance(module, RankedStage):
         raise RegraftError(None, f"stage {stage} runs as one task, this job has {ranks.world_size}",
-                           f"drop tasks_per_node for {stage} from launcher.per_stage")
+                           f"drop tasks_per_node for {stage} from launcher.per_stage and launcher.per_node")
     module.init_distributed(True, cfg.seed)
     decide = torch.distributed.new_group(backend="gloo")  # CPU objects, whatever the training backend
     out, leader = Path(config["out"]), ranks.rank == 0

@@ -22,7 +22,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.dag import Node, base_name
-from pipelines.jobs import RankedStage, resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage, stage_module
+from pipelines.jobs import (RankedStage, resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage,
+                           stage_module, stage_names)
 from stages.common.errors import RegraftError
 
 
@@ -45,22 +46,52 @@ def last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
+def check_per_stage(cfg: DictConfig) -> None:
+    """`launcher.per_stage` is keyed by stage (a module under stages/), never by node name: a node's own settings
+    go under `launcher.per_node`, so one key can mean one thing only."""
+    stages = stage_names()
+    for key in cfg.get("per_stage") or {}:
+        if key not in stages:
+            raise RegraftError(f"launcher.per_stage.{key}", f"{key} is not a stage (the stages: {', '.join(stages)}); "
+                               "launcher.per_stage applies to every node of a stage",
+                               f"for the node named {key} alone use launcher.per_node.{key}")
+
+
 class Launcher:
     chains = False  # True: submits jobs whose inputs do not exist yet, with scheduler dependencies
     in_process = False  # True: submit runs the stage itself
 
     def __init__(self, cfg: DictConfig, folder: Path):
         self.cfg, self.folder = cfg, folder
+        check_per_stage(cfg)
+
+    def layers(self, node: Node) -> list[tuple[str, Any]]:
+        """The settings a node's job gets, least specific first, each as (its config path, its value):
+        `launcher.resources` (every job), `launcher.per_stage.<stage>` (every node of the node's stage: a race's
+        rungs and `source_drafter` are finetune nodes; `evaluate`, `baseline_evaluate` and a race finalist's
+        evaluation are probe nodes), `launcher.per_node.<name>` by what the node is (`features` for
+        `features_3#2`), then by its name in one member (`features_3`), then by its exact name. Only those present."""
+        per_stage, per_node = self.cfg.get("per_stage") or {}, self.cfg.get("per_node") or {}
+        found = [("launcher.resources", self.cfg.get("resources") or {})]
+        found.append((f"launcher.per_stage.{node.stage}", per_stage.get(node.stage)))
+        for name in dict.fromkeys([base_name(node.name), node.name.split("#")[0], node.name]):
+            found.append((f"launcher.per_node.{name}", per_node.get(name)))
+        return [(path, value) for path, value in found if value is not None]
 
     def resources(self, node: Node) -> dict[str, Any]:
-        """`launcher.per_stage.<node name>` (or the name without its part or sweep-member suffix) over
-        `launcher.resources`; both are resolved first, while their interpolations (slurm's `${finetune.nproc}`)
-        can still reach the root config."""
-        per_stage = self.cfg.per_stage  # by node name, else what the node is (`features_3`, `finetune#2`)
-        overrides = per_stage.get(node.name) or per_stage.get(base_name(node.name))
-        return OmegaConf.to_container(OmegaConf.merge(
-            OmegaConf.to_container(self.cfg.resources, resolve=True),
-            OmegaConf.to_container(overrides, resolve=True) if overrides else {}))
+        """The node's `layers` merged, each over the one before; each resolved first, while its interpolations
+        (slurm's `${finetune.nproc}`) can still reach the root config."""
+        return OmegaConf.to_container(OmegaConf.merge(*(
+            OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else dict(value)
+            for _, value in self.layers(node))))
+
+    def setting_of(self, node: Node, key: str) -> str:
+        """The config path that gives the node's job `key` (the most specific layer that has it), for a fix that
+        names it; a node-wide one when only `launcher.resources` has it (changing that changes every job)."""
+        paths = [path for path, value in self.layers(node) if key in value]
+        if not paths or paths[-1] == "launcher.resources":
+            return f"launcher.per_node.{node.name}.{key}"
+        return f"{paths[-1]}.{key}"
 
     def check(self, node: Node, config: dict[str, Any]) -> None:
         """Before any work: whether this launcher can run the node as its config asks (RegraftError if not); on
@@ -251,8 +282,10 @@ class SlurmLauncher(SubmititLauncher):
         resources = self.resources(node)
         per_node, nodes = int(resources.get("tasks_per_node") or 1), int(resources.get("nodes") or 1)
         if per_node * nodes > 1 and "nproc" not in config:
-            raise RegraftError(None, f"{node.name} runs as one task, launcher.per_stage gives it {per_node * nodes}",
-                               f"set launcher.per_stage.{node.name}.tasks_per_node=1 and nodes=1")
+            fix = [f"{self.setting_of(node, key)}=1" for key, count in (("tasks_per_node", per_node), ("nodes", nodes))
+                   if count > 1]
+            raise RegraftError(None, f"{node.name} runs as one task, the launcher gives it {per_node * nodes}",
+                               f"set {' and '.join(fix)}")
         if "nproc" not in config:
             return
         want = (int(config.get("nodes", 1)), int(config["nproc"]))

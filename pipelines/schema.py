@@ -74,7 +74,11 @@ class LauncherConfig:
     name: LauncherName = MISSING
     poll_s: float = setting(0.2, at_least=0)  # how often the orchestrator looks at running jobs
     resources: dict[str, Any] = field(default_factory=dict)  # submitit parameters for every job
-    per_stage: dict[str, Any] = field(default_factory=dict)  # the same, by node name, over `resources`
+    per_stage: dict[str, Any] = field(default_factory=dict)  # the same by stage, over `resources`: every node of
+    # the stage (per_stage.finetune: finetune, baseline_finetune, source_drafter, a race's rungs; per_stage.probe:
+    # probe, evaluate, baseline_evaluate, a race finalist's evaluation); keys are stages only (stages/*)
+    per_node: dict[str, Any] = field(default_factory=dict)  # the same by node name, over per_stage (`evaluate`;
+    # `features` is every part of it too, `features_2` one part)
     max_parallel: Optional[int] = setting(None, at_least=1)  # stage jobs at once (local, inline); None: no limit
     threads: Optional[int] = setting(None, at_least=1)  # torch threads per stage; None: cores // max_parallel
     warm: bool = False  # local: jobs fork from one interpreter that imported torch and the stages once

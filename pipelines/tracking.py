@@ -445,7 +445,7 @@ class Tracker:
 
     def finish_pipeline(self, status: str, overrides: list[str], summary: dict, files: list[Path]) -> None:
         """The parent run closed from the run's summary, its overrides as params."""
-        params = dict(override.split("=", 1) for override in overrides if "=" in override)
+        params = {override_key(override): override_value(override) for override in overrides if "=" in override}
         self.finish(status, params, summary["numbers"], files, summary)
 
     def finish(self, status: str, params: dict[str, Any], metrics: dict[str, float], files: list[Path],

@@ -236,6 +236,35 @@ def test_rank_layouts_agree_one_rank_two_tasks_two_nodes(sweep, slurm_cluster): 
         assert [m["step"] for m in steps if m["split"] == "train"] == [1, 2, 3, 4, 5, 6]
 
 
+def sbatch_options(run: Path, job_id: str) -> dict[str, str]:
+    """The `#SBATCH --option=value` lines a job was submitted with (submitit's script in its job folder)."""
+    script = (run / "jobs" / job_id / f"{job_id}_submission.sh").read_text()
+    return dict(re.findall(r"^#SBATCH --([a-z-]+)=(\S+)$", script, re.M))
+
+
+def test_a_race_submits_every_rung_with_the_fine_tunes_tasks(sweep, slurm_cluster):  # noqa: F811
+    """launcher.per_stage is by stage: every rung of a race (finetune nodes named by their candidates) gets
+    finetune's 2 tasks and its time, the finalists' evaluations probe's time, `evaluate` its own node override."""
+    outputs, _ = sweep
+    regraft(outputs, slurm_cluster, "race", "pipeline.race=true", "race.inits=[remap,scratch]", "race.lrs=[3e-3]",
+            "race.budget_steps=6", "race.rungs=2", "finetune.nproc=2",
+            "finetune.deepspeed.gradient_accumulation_steps=1",
+            "+launcher.per_stage.probe.timeout_min=17", "+launcher.per_node.evaluate.timeout_min=19")
+    run = outputs / "runs" / "race"
+    jobs = submitted(run)
+    rungs = sorted(name for name in jobs if name.startswith("race_") and not name.endswith("_evaluate"))
+    assert rungs == [f"race_{init}_lr0.003_step{step}" for init in ("remap", "scratch") for step in (4, 6)], jobs
+    for name in rungs:
+        options = sbatch_options(run, jobs[name]["job_id"])
+        assert (jobs[name]["tasks"], options["ntasks-per-node"], options["nodes"], options["time"]) == \
+            (2, "2", "1", "20"), (name, options)
+    evaluations = sorted(name for name in jobs if name.endswith("evaluate"))
+    assert len(evaluations) == 2 and evaluations[0] == "evaluate", jobs
+    assert [sbatch_options(run, jobs[name]["job_id"])["time"] for name in evaluations] == ["19", "17"]
+    assert all(sbatch_options(run, jobs[name]["job_id"])["ntasks-per-node"] == "1" for name in evaluations)
+    assert summary(run)["evaluate"]["metrics"]["accept_len"] >= 1
+
+
 def test_feature_shards_across_nodes_rerun_only_the_cancelled_one(sweep, slurm_cluster):  # noqa: F811
     """features.shards=4 on 2 nodes: four jobs, each a cached output; one cancelled, the rerun computes only it, and
     the joined features equal the unsharded ones (the sweep's, cached by the fixture)."""
@@ -244,7 +273,7 @@ def test_feature_shards_across_nodes_rerun_only_the_cancelled_one(sweep, slurm_c
 
     outputs, (first, _) = sweep
     shards = ["features.shards=4", "pipeline.evaluate=false", f"finetune.lr={SWEEP_LRS[0]}"]
-    late = "+launcher.per_stage.features_2={additional_parameters: {begin: now+600}}"  # not in any cache key
+    late = "+launcher.per_node.features_2={additional_parameters: {begin: now+600}}"  # not in any cache key
     process, log = run_in_background(outputs, slurm_cluster, "shards", *shards, late)
     try:
         run = outputs / "runs" / "shards"
