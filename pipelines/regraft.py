@@ -53,6 +53,7 @@ class PipelineResult:
     summary: dict  # what summary.json holds
     plots: list[Path]
     mlflow_ui: str | None = None  # the command that opens the MLflow UI on this run's store
+    mlflow_link: str | None = None  # the runs table there, filtered to the pipelines' parent runs, best first
 
 
 def threads_per_stage(threads: int | None, max_parallel: int | None) -> int | None:
@@ -103,7 +104,8 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
             tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", {}, {}, [])
         raise
     summary, plots = finish_run(run_dir, results, cfg, overrides, time.perf_counter() - start, tracker, race=race)
-    return PipelineResult(results, summary, plots, tracker.ui_command() if tracker else None)
+    return PipelineResult(results, summary, plots, tracker.ui_command() if tracker else None,
+                          tracker.runs_link() if tracker else None)
 
 
 def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> tuple[dict[str, NodeResult], dict]:
@@ -165,6 +167,7 @@ def main(cfg: DictConfig) -> None:
     console.print(story_table(done.summary["numbers"], caption=story_caption(done.summary)))
     if done.mlflow_ui:
         console.print(f"MLflow: {done.mlflow_ui}", highlight=False)
+        console.print(f"which run won: {done.mlflow_link}", highlight=False, soft_wrap=True)
     console.print(f"summary: {run_dir / 'summary.json'}", highlight=False)
 
 

@@ -248,10 +248,21 @@ def finish_run(run_dir: Path, results: dict[str, NodeResult], cfg: DictConfig, o
     summary = write_summary(run_dir, results, OmegaConf.to_container(cfg, resolve=True), overrides, wall_seconds,
                             race=race, failed=failed)
     plots = [] if failed else plot(summary["stages"], run_dir)
+    write_log(run_dir / "regraft.log", results, summary)
     if tracker is not None:
         tracker.finish_pipeline("FAILED" if failed else "FINISHED", overrides, summary,
                                 [run_dir / "summary.json", *plots])
     return summary, plots
+
+
+def write_log(path: Path, results: dict[str, NodeResult], summary: dict) -> None:
+    """The run's tables, as the terminal shows them, appended to its log (a sweep member prints none of its own)."""
+    with path.open("a") as handle:
+        console = Console(file=handle, width=120, no_color=True)
+        console.print(stage_table(results))
+        console.print(story_table(summary["numbers"], caption=story_caption(summary)))
+        if summary.get("failed"):
+            console.print(f"failed: {summary['failed']}", highlight=False, soft_wrap=True)
 
 
 SWEEP_COLUMNS = (("phase0/accept_len", "phase 0"), ("phase1/accept_len", "phase 1"),
@@ -319,5 +330,11 @@ class SweepSummary(Callback):
                 console.print(f"[red]member {member['member']}[/red] ({varies}) failed at {member['failed']}",
                               highlight=False, soft_wrap=True)
         console.print(f"sweep summary: {sweep_dir / 'summary.json'}", highlight=False, soft_wrap=True)
+        if config.tracking.enabled:
+            from pipelines.tracking import sweep_link, ui_command
+
+            console.print(f"MLflow: {ui_command(config.tracking)}", highlight=False, soft_wrap=True)
+            console.print(f"which member won: {sweep_link(config.tracking, sweep_dir.name)}", highlight=False,
+                          soft_wrap=True)
         if any(member["failed"] for member in members):
             raise SystemExit(1)  # the others finished; the sweep as a whole did not

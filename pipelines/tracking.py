@@ -477,7 +477,52 @@ class Tracker:
         self.client.set_terminated(self.parent_id, status)
 
     def ui_command(self) -> str:
-        return f"mlflow ui --backend-store-uri {self.cfg.uri}"
+        return ui_command(self.cfg)
+
+    def runs_link(self) -> str:
+        """The runs table on every pipeline's parent run, this one's sweep only if it is a sweep member."""
+        sweep = self.invocation.tags.get("sweep")
+        return runs_link(self.client, self.experiment_id, self.cfg, sweep)
+
+
+def ui_command(cfg: DictConfig) -> str:
+    return f"mlflow ui --backend-store-uri {cfg.uri}"
+
+
+# The runs table's columns for "which member won": the accept lengths beside the run's name and overrides
+WINNER_COLUMNS = ("phase1/accept_len", "phase0/accept_len", "scratch/accept_len", "gain/over_scratch")
+SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's UI reads a shared view (filter, sort, columns) from this tag
+UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+
+
+def runs_view(sweep: str | None) -> dict[str, Any]:
+    """What MLflow's runs table opens on: the parent runs (of one sweep), best phase 1 first, the headline columns."""
+    where = "tags.kind = 'pipeline'" + (f" and tags.sweep = '{sweep}'" if sweep else "")
+    return {"searchFilter": where, "orderByKey": "metrics.`phase1/accept_len`", "orderByAsc": False,
+            "startTime": "ALL", "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
+            "selectedColumns": ["attributes.`Run Name`", *(f"metrics.`{name}`" for name in WINNER_COLUMNS)],
+            "runsExpanded": {}, "runsPinned": [], "runsHidden": []}
+
+
+def runs_link(client: Any, experiment_id: str, cfg: DictConfig, sweep: str | None) -> str:
+    """One link to the runs table filtered, sorted and with columns set: the view is kept as an experiment tag that
+    the UI reads by its key (MLflow's own "share view"), as filter and sort alone could be in the URL but the
+    columns cannot."""
+    key = "regraft-" + hashlib.sha256((sweep or "all").encode()).hexdigest()[:12]
+    client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG + key, json.dumps(runs_view(sweep)))
+    base = cfg.uri.rstrip("/") if cfg.uri.startswith(("http://", "https://")) else UI_ADDRESS
+    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={key}"
+
+
+def sweep_link(cfg: DictConfig, sweep: str) -> str | None:
+    """The link for a finished sweep, from its config (the sweep callback has no tracker)."""
+    if not cfg.enabled:
+        return None
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(cfg.uri)
+    experiment = client.get_experiment_by_name(cfg.experiment)
+    return runs_link(client, experiment.experiment_id, cfg, sweep) if experiment else None
 
 
 def run_note(summary: dict) -> str:

@@ -68,3 +68,57 @@ def check_store(uri: str) -> int:
         assert logged_figures(client, run) == expected_figures(out), f"{name}: figures differ from {out}"
         checked += 1
     return checked
+
+
+CHROMIUM = ("chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1600,900",
+            "--virtual-time-budget=60000")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rendered_runs_table(store: str, link: str, scratch: Path) -> str:
+    """The page a user sees at `link` (as printed, for `mlflow ui` on port 5000), rendered by headless Chromium
+    against a real `mlflow ui` on `store`: the DOM after the app has loaded."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import pytest
+
+    if shutil.which("chromium") is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store, "--port", str(port),
+                               "--workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "mlflow ui did not start"
+                time.sleep(1)
+        url = link.replace("http://127.0.0.1:5000", f"http://127.0.0.1:{port}")
+        page = subprocess.run([*CHROMIUM, f"--user-data-dir={scratch}", "--dump-dom", url], capture_output=True,
+                              text=True, timeout=300)
+        return page.stdout
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def first_row_run_id(dom: str) -> str | None:
+    import re
+
+    found = re.search(r'row-index="0" row-id="([0-9a-f]{32})"', dom)
+    return found[1] if found else None

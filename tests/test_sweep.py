@@ -4,6 +4,7 @@ leaves the others to finish and says why in one line."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["debug=tiny", "pipeline.probe=false", "finetune.max_steps=6"]
 
 
-def sweep(outputs: Path, *overrides: str) -> subprocess.CompletedProcess:
+def sweep(outputs: Path, *overrides: str, tiny: list[str] = TINY) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "pipelines.regraft", "-m", f"paths.outputs={outputs}",
-               f"hydra.sweep.dir={outputs}/sweep", *TINY, *overrides]
+               f"hydra.sweep.dir={outputs}/sweep", *tiny, *overrides]
     return subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900)
 
@@ -98,11 +99,12 @@ def test_every_child_run_holds_its_own_output_beside_a_second_run(tmp_path):
     cache output holds that output's figures, and nothing is left RUNNING or `pending` (tests/mlflow_checks.py)."""
     from tests.mlflow_checks import check_store
 
+    tiny = [override for override in TINY if override != "pipeline.probe=false"]  # phase 0 too: the link shows it
     single = [sys.executable, "-m", "pipelines.regraft", f"paths.outputs={tmp_path}",
-              f"hydra.run.dir={tmp_path}/single", *TINY, "finetune.lr=1e-3"]
+              f"hydra.run.dir={tmp_path}/single", *tiny, "finetune.lr=1e-3"]
     beside = subprocess.Popen(single, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        done = sweep(tmp_path, "finetune.lr=1e-3,3e-3", "finetune.init=remap,scratch")
+        done = sweep(tmp_path, "finetune.lr=1e-3,3e-3", "finetune.init=remap,scratch", tiny=tiny)
         output, _ = beside.communicate(timeout=900)
     finally:
         if beside.poll() is None:
@@ -110,6 +112,28 @@ def test_every_child_run_holds_its_own_output_beside_a_second_run(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:]
     assert beside.returncode == 0, output[-3000:]
     assert len(members(tmp_path)) == 4
+    for member in range(4):  # each member's log is regraft.log and holds its tables
+        folder = tmp_path / "sweep" / str(member)
+        assert "regraft: stages" in (folder / "regraft.log").read_text() and not (folder / "app.log").exists()
     parents_seen = [run for run in mlflow_runs(tmp_path) if "mlflow.parentRunId" not in run.data.tags]
     assert len(parents_seen) == 5
     assert check_store(f"sqlite:///{tmp_path}/mlflow.db") >= 5 * 8  # every member's children, and the single run's
+    assert_link_opens_on_the_winner(tmp_path, done.stdout)
+
+
+def assert_link_opens_on_the_winner(outputs: Path, printed: str) -> None:
+    """The sweep's printed link, opened in headless Chromium on a real `mlflow ui`: its first row is the member with
+    the best phase1/accept_len, and the headline columns are shown."""
+    from tests.mlflow_checks import first_row_run_id, rendered_runs_table
+
+    lines = printed.splitlines()
+    assert f"MLflow: mlflow ui --backend-store-uri sqlite:///{outputs}/mlflow.db" in lines
+    link = next(line.split(": ", 1)[1] for line in lines if line.startswith("which member won: "))
+    best = max(member["numbers"]["phase1/accept_len"] for member in members(outputs))
+    winners = {run.info.run_id for run in mlflow_runs(outputs) if "mlflow.parentRunId" not in run.data.tags
+               and run.data.tags.get("sweep") == "sweep" and run.data.metrics["phase1/accept_len"] == best}
+    dom = rendered_runs_table(f"sqlite:///{outputs}/mlflow.db", link, outputs / "chromium")
+    assert first_row_run_id(dom) in winners, dom[-2000:]
+    for column in ("phase1/accept_len", "phase0/accept_len", "scratch/accept_len"):
+        assert f'col-id="metrics.`{column}`"' in dom
+    assert len(set(re.findall(r'row-id="([0-9a-f]{32})"', dom))) == 4  # the sweep's four parents, not the single run
