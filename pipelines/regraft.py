@@ -44,6 +44,7 @@ from pipelines.runner import Interrupts, NodeResult, pending, run_dag
 from pipelines.summary import finish_run, stage_table, story_caption, story_table
 from pipelines.tracking import Tracker, hydra_invocation
 from stages.common.errors import RegraftError
+from stages.common.runtime import same_on_every_cpu
 from stages.common.stage import CONF_DIR
 
 
@@ -86,6 +87,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     run_dir.mkdir(parents=True, exist_ok=True)
     tracker = None
     try:
+        same_on_every_cpu()  # every stage computes as on any x86 CPU (stages/common/runtime.py); its jobs inherit it
         nodes = build_nodes(cfg)
         launcher = make_launcher(cfg.launcher, run_dir / "jobs")
         check_before_any_work(cfg, nodes, launcher)

@@ -21,6 +21,12 @@ from stages.world.toy import generate_answers
 
 FILES = ["tokenizer", "data_a.jsonl", "target_a", "target_b", "data_b.jsonl", "prompts_b.jsonl", "manifest.json"]
 DRAFT_VOCAB = 128  # the tiny source drafter's (conf/debug/tiny.yaml)
+# world=tiny's digest (manifest "digest": its weights and data, stages/world/__init__.py::digest), the same on every
+# x86 CPU (tests/test_determinism.py). It changes with the world's code or config, the corpus (this Python's stdlib
+# docstrings) and the versions of torch/MKL, transformers and tokenizers. When it changes on purpose, paste the new
+# one from `python -c "from stages import world; from stages.common.stage import compose_stage;
+# print(world.run(compose_stage('world', ['out=/tmp/tiny'], option='tiny')).out)"` (then /tmp/tiny/manifest.json).
+TINY_WORLD_DIGEST = "2056c40b58a904dcd6d157967d9900146b786e5a7ad984492888bf9baf222068"
 
 
 def build(out: Path, *extra: str):
@@ -119,6 +125,12 @@ def test_probe_prompts_are_held_out_user_turns(built, cfg):
     trained_prompts = {chat[0]["content"] for chat in rows(built / "data_b.jsonl")}
     trained_prompts |= {chat[0]["content"] for chat in rows(built / "data_a.jsonl")}
     assert not trained_prompts & {m["content"] for chat in probes for m in chat}
+
+
+def test_world_tiny_has_the_pinned_digest(built):
+    manifest = read_manifest(built)
+    assert manifest["cpu"]["in_effect"], manifest["cpu"]
+    assert manifest["digest"] == world.digest(built) == TINY_WORLD_DIGEST
 
 
 def test_the_same_seed_builds_the_same_world(built, tmp_path):

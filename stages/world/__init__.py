@@ -9,7 +9,10 @@ the pipeline trains it for target A with its own vocab_map and finetune stages (
 Out (HF `save_pretrained` folders, chat JSONL `{"messages": [...]}`): `tokenizer/`, `data_a.jsonl`, `target_a/`,
 `target_b/`, `data_b.jsonl` (domain-B prompts, target B's answers), `prompts_b.jsonl` (held-out domain-B user turns,
 some two-turn, for probes), `manifest.json` (losses, target B's greedy top-1 probability, counts, seconds per
-phase). Deterministic for a seed (training runs by step count); about 2-3 minutes on 2 CPU cores.
+phase, `digest`: a sha256 over the weights and data, `cpu`: the settings it was computed under). Deterministic
+for a seed (training runs by step count) and the same on every x86 CPU: the build runs under
+`stages.common.runtime.SAME_ON_EVERY_CPU` (MKL's compatible code path, ATen's AVX2 kernels) with a fixed thread
+count, in a fresh interpreter if this one already computed under other settings. About 2-3 minutes on 2 CPU cores.
 
     python -m stages.world out=DIR [steps_a=... regen_prompts=...]
 """
@@ -17,17 +20,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import json
+import os
 import random
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-from stages.common.artifacts import staged_output
+from stages.common.artifacts import read_manifest, staged_output
 from stages.common.chat import load_tokenizer
 from stages.common.errors import RegraftError
-from stages.common.runtime import torch_threads
+from stages.common.runtime import SAME_ON_EVERY_CPU, same_on_every_cpu, torch_threads
 from stages.common.stage import StageResult, register_schema, setting
 from stages.world.corpus import Docstring, as_conversation, file_docstrings, stdlib_source_files, write_jsonl
 from stages.world.toy import (assistant_loss, fit_causal_lm, generate_answers, pack_chats, rotate_residual_stream,
@@ -60,8 +68,9 @@ class WorldConfig:
     gen_batch_size: int = setting(64, at_least=1)  # prompts per batched generation (left padding)
     probe_prompts: int = setting(16, at_least=1)  # held-out domain-B prompts in prompts_b.jsonl for the probe
     probe_multi_turn: int = setting(4, at_least=0)  # how many of them carry a second user turn
-    # torch CPU threads while building; 0: torch's default (all cores). On 2 shared cores 2 threads ran 2.5x
-    # slower than 1 when other jobs were busy, 1.6x faster when idle
+    # torch CPU threads while building; 0: torch's default (all cores, so the world may differ between machines:
+    # reductions split by thread). On 2 shared cores 2 threads ran 2.5x slower than 1 when other jobs were busy,
+    # 1.6x faster when idle
     threads: int = setting(1, at_least=0)
 
 
@@ -143,12 +152,49 @@ def train_target(model, tokenizer, docs: list[Docstring], cfg: DictConfig, steps
     return sum(tail) / len(tail)
 
 
+# what the world's digest covers, in this order: its weights and data (not the configs beside the weights, which
+# carry the transformers version)
+DIGESTED = ("tokenizer/tokenizer.json", "data_a.jsonl", "target_a/model.safetensors", "target_b/model.safetensors",
+            "data_b.jsonl", "prompts_b.jsonl")
+FRESH = "REGRAFT_WORLD_FRESH"  # set in the fresh interpreter run() starts, so that it builds whatever it finds
+
+
+def digest(root: str | Path) -> str:
+    """sha256 over DIGESTED (each file's name, then its bytes): one hex string that names the world."""
+    total = hashlib.sha256()
+    for name in DIGESTED:
+        total.update(name.encode() + b"\0")
+        with open(Path(root) / name, "rb") as file:
+            for chunk in iter(lambda: file.read(1 << 20), b""):
+                total.update(chunk)
+    return total.hexdigest()
+
+
 def run(cfg: DictConfig) -> StageResult:
+    cpu = same_on_every_cpu()
+    if not cpu["in_effect"] and not os.environ.get(FRESH):
+        return run_in_fresh_interpreter(cfg)
     with torch_threads(cfg.threads):
-        return build(cfg)
+        import torch
+
+        return build(cfg, {**cpu, "threads": torch.get_num_threads()})
 
 
-def build(cfg: DictConfig) -> StageResult:
+def run_in_fresh_interpreter(cfg: DictConfig) -> StageResult:
+    """This process computed under other settings before (a test session, an inline launcher): the settings
+    cannot change any more, so `python -m stages.world` builds it under them (os.environ holds them now)."""
+    overrides = [f"{key}={json.dumps(value) if isinstance(value, str) else value}"
+                 for key, value in OmegaConf.to_container(cfg, resolve=True).items()]
+    subprocess.run([sys.executable, "-m", "stages.world", *overrides], env={**os.environ, FRESH: "1"},
+                   stdout=sys.stderr, check=False)
+    manifest = read_manifest(cfg.out)
+    if manifest is None:
+        raise RegraftError(cfg.out, "the world build in a fresh interpreter left no complete output",
+                           "its error is printed above; run `python -m stages.world out=...` to see it alone")
+    return StageResult(Path(cfg.out), manifest["metrics"], manifest.get("headline", ""))
+
+
+def build(cfg: DictConfig, cpu: dict) -> StageResult:
     from transformers import AutoModelForCausalLM
 
     phase, metrics, started = Phases(), {}, time.perf_counter()
@@ -201,5 +247,8 @@ def build(cfg: DictConfig) -> StageResult:
         metrics["seconds_total"] = round(time.perf_counter() - started, 2)
         headline = (f"target loss A {metrics['target_a_eval_loss_a']:.2f}, B {metrics['target_b_eval_loss_b']:.2f}; "
                     f"{len(prompts)} regenerated chats, target B greedy top-1 {metrics['target_b_greedy_top1']:.2f}")
-        staged.update(metrics=metrics, headline=headline)
+        if not cpu["in_effect"]:
+            print(f"world: built under {cpu}, not the settings every x86 CPU shares ({SAME_ON_EVERY_CPU}): "
+                  "another machine may build another world", file=sys.stderr)
+        staged.update(metrics=metrics, headline=headline, digest=digest(root), cpu=cpu)
     return StageResult(Path(cfg.out), metrics, headline)
