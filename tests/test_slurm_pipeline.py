@@ -35,6 +35,7 @@ from pipelines.jobs import RANK_VARIABLES
 from pipelines.slurm_jobs import job_state
 from stages.common.stage import CONF_DIR
 from stages.common.errors import RegraftError
+from tests.mlflow_checks import check_store
 from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm
@@ -205,6 +206,8 @@ def test_a_sweep_has_all_its_finetunes_queued_at_once(sweep, slurm_cluster):  # 
     runs = [outputs / "sweeps" / "four" / str(k) for k in range(4)]
     losses = [summary(run)["finetune"]["metrics"]["val_loss"] for run in runs]
     assert len(set(losses)) == 4  # four fine-tunes, each its own lr
+    # every child run of every sweep so far holds its own output's figures; none is left RUNNING or pending
+    assert check_store(f"sqlite:///{outputs}/mlflow.db") >= 4 * 3
 
 
 def node_list(job_id: str) -> str:
