@@ -9,8 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
+from stages.common.runtime import SAME_ON_EVERY_CPU
 from tests.test_world import TINY_WORLD_DIGEST
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,14 +46,16 @@ def probe(settings: bool, env: dict[str, str]) -> dict:
 
 
 def test_the_machine_picks_the_numbers_unless_the_settings_do():
-    """Without them, two kernel builds give two answers to one computation; with them, one answer."""
+    """Without them, two kernel builds give two answers to one computation; with them, one answer: the one a
+    process started with them in its environment gives."""
     assert probe(False, {}) != probe(False, ANOTHER_CPU)
     here, there = probe(True, {}), probe(True, ANOTHER_CPU)
     assert here == there and here["cpu"]["in_effect"], (here, there)
+    # and it is what the settings give when the environment holds them from the start
+    assert here["sha"] == probe(False, SAME_ON_EVERY_CPU)["sha"]
     assert here["cpu"]["cpu_capability"] == "AVX2" and here["cpu"]["mkl_cbwr"] == "COMPATIBLE"
 
 
-@pytest.mark.slow
 def test_world_tiny_has_one_digest_on_two_emulated_cpus(tmp_path):
     digests = {}
     for name, env in (("this CPU", {}), ("another CPU", ANOTHER_CPU)):

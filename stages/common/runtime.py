@@ -48,7 +48,9 @@ def torch_threads(count: int | None) -> Iterator[None]:
 # count is the stage's own setting (the world's `threads`, the launcher's OMP_NUM_THREADS).
 # Measured (README "Reproducibility on CPUs"; tests/test_determinism.py pins the tiny world's digest).
 SAME_ON_EVERY_CPU = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2"}
-_MKL_CBWR_BRANCH, _MKL_CBWR_COMPATIBLE = 1, 2  # mkl_cbwr_get(MKL_CBWR_BRANCH); the value of COMPATIBLE
+# mkl_cbwr.h: mkl_cbwr_get(MKL_CBWR_BRANCH) answers the branch in use: MKL_CBWR_BRANCH_OFF (1, none asked for),
+# MKL_CBWR_AUTO (2) or MKL_CBWR_COMPATIBLE (3)
+_MKL_CBWR_BRANCH, _MKL_CBWR_AUTO, _MKL_CBWR_COMPATIBLE = 1, 2, 3
 
 
 def _mkl_cbwr(set_compatible: bool) -> int | None:
@@ -81,6 +83,6 @@ def same_on_every_cpu() -> dict[str, object]:
     branch = _mkl_cbwr(set_compatible=True)
     wanted = SAME_ON_EVERY_CPU["ATEN_CPU_CAPABILITY"].upper()
     in_effect = capability == wanted and branch in (None, _MKL_CBWR_COMPATIBLE)
-    return {"in_effect": in_effect, "cpu_capability": capability,
-            "mkl_cbwr": {None: "no MKL", _MKL_CBWR_COMPATIBLE: "COMPATIBLE"}.get(branch, f"branch {branch}"),
+    names = {None: "no MKL", 1: "OFF", _MKL_CBWR_AUTO: "AUTO", _MKL_CBWR_COMPATIBLE: "COMPATIBLE"}
+    return {"in_effect": in_effect, "cpu_capability": capability, "mkl_cbwr": names.get(branch, f"branch {branch}"),
             "torch": torch.__version__, "threads": torch.get_num_threads()}
