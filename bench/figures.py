@@ -3,13 +3,16 @@
     .venv/bin/python bench/figures.py                   # the newest run under outputs/runs (what `make run` wrote)
     .venv/bin/python bench/figures.py --run DIR         # a given run folder (its summary.json)
     .venv/bin/python bench/figures.py --check           # exit 1 if README.md's blocks differ from the run's
+    .venv/bin/python bench/figures.py --vllm            # also the evaluate probe on vLLM (about 2 minutes)
     make figures                                        # `make run`, then this
 
 Each block sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in README.md and is replaced whole:
 - `default-run`: the story table of the run (as `regraft` prints it: each figure beside its MLflow name), the
   world's digest and the CPU settings it was built under, the run's date and commit (the tracker's `git_commit`
   tag, or HEAD when the run has no MLflow store).
-- `engines-agree`: the phase-1 drafter's acceptance counts on the held-out prompts (the evaluate stage's report).
+- `engines-agree`: the phase-1 drafter's acceptance counts on the held-out prompts (the evaluate stage's report)
+  and, with `--vllm`, the same probe run on vLLM's engine (`.venv-vllm`, `make venv-vllm`) beside them: the counts
+  the field's own engine gives for the same drafter, prompts and settings.
 
 The run must be a default one (no overrides but `paths.*`): the README describes `make run`.
 """
@@ -73,18 +76,45 @@ def default_run_block(run: Path, summary: dict) -> str:
     return "```\n" + "\n".join(lines) + "\n```\n\n" + "\n".join(textwrap.wrap(said, width=118)) + "\n"
 
 
-def engines_block(summary: dict) -> str:
-    """Inside a list item of README.md: wrapped and indented by two spaces."""
-    metrics = summary["stages"]["evaluate"]["metrics"]
+def counts(metrics: dict) -> str:
     steps = int(metrics["num_steps"])
     accepted = [int(metrics[f"accepted_at_{k + 1}"]) for k in range(steps)]
-    drafts = int(metrics["drafts"])
-    text = (f"The default run's phase-1 drafter on its {int(metrics['turns'])} held-out turns, {steps} draft steps, "
-            f"hf backend (the evaluate stage): {drafts} drafts, of which {' / '.join(map(str, accepted))} were "
-            f"accepted at positions {' / '.join(str(k + 1) for k in range(steps))}: accept_len "
-            f"{metrics['accept_len']:.3f} (vLLM's own definition, 1 + accepted / drafts: "
-            f"{1 + sum(accepted) / max(drafts, 1):.3f}); written by `bench/figures.py` from the run above.")
+    return (f"{int(metrics['drafts'])} drafts, of which {' / '.join(map(str, accepted))} were accepted at positions "
+            f"{' / '.join(str(k + 1) for k in range(steps))}: accept_len {metrics['accept_len']:.3f} (vLLM's own "
+            f"definition, 1 + accepted / drafts: {1 + sum(accepted) / max(int(metrics['drafts']), 1):.3f})")
+
+
+def vllm_evaluate(summary: dict, out: Path) -> dict:
+    """The evaluate stage's own config (its manifest), run again with backend=vllm: its metrics."""
+    from pipelines.jobs import stage_config
+
+    evaluate = Path(summary["stages"]["evaluate"]["out"])
+    config = json.loads((evaluate / "manifest.json").read_text())["config"]
+    module, cfg = stage_config("probe", {**config, "backend": "vllm", "out": str(out)})
+    return module.run(cfg).metrics
+
+
+def engines_block(summary: dict, vllm: tuple[dict, str] | None) -> str:
+    """Inside a list item of README.md: wrapped and indented by two spaces."""
+    metrics = summary["stages"]["evaluate"]["metrics"]
+    text = (f"The default run's phase-1 drafter on its {int(metrics['turns'])} held-out turns, "
+            f"{int(metrics['num_steps'])} draft steps, hf backend (the evaluate stage): {counts(metrics)}")
+    if vllm is not None:
+        text += f"; the same probe on {vllm[1]}'s engine: {counts(vllm[0])}"
+    text += "; written by `bench/figures.py` from the run above."
     return "\n".join(textwrap.wrap(text, width=118, initial_indent="  ", subsequent_indent="  ")) + "\n"
+
+
+def on_vllm(summary: dict, out: Path | None) -> tuple[dict, str] | None:
+    """The evaluate probe run now on vLLM (`--vllm`): its metrics and the engine's version, from its manifest."""
+    if out is None:
+        return None
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)  # a stage output is written once: this run's probe, not an old one
+    metrics = vllm_evaluate(summary, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    return metrics, f"vllm {manifest.get('engine_versions', {}).get('vllm', '?')}"
 
 
 def render(readme: str, blocks: dict[str, str]) -> str:
@@ -100,13 +130,17 @@ def main() -> int:
     parser.add_argument("--outputs", type=Path, default=ROOT / "outputs")
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 if the README differs")
+    parser.add_argument("--vllm", type=Path, nargs="?", const=Path("outputs/figures_vllm"), default=None,
+                        help="also run the evaluate probe on vLLM into this folder (default outputs/figures_vllm); "
+                        "(about 2 minutes on 2 cores)")
     args = parser.parse_args()
     run = args.run or newest_run(args.outputs)
     summary = json.loads((run / "summary.json").read_text())
     changed = [o for o in summary.get("overrides", []) if not o.startswith(("paths.", "hydra."))]
     if changed:
         raise SystemExit(f"{run} ran with overrides {changed}: the README's figures are the defaults'")
-    blocks = {"default-run": default_run_block(run, summary), "engines-agree": engines_block(summary)}
+    blocks = {"default-run": default_run_block(run, summary),
+              "engines-agree": engines_block(summary, on_vllm(summary, args.vllm))}
     before = args.readme.read_text()
     after = render(before, blocks)
     if args.check:
