@@ -44,7 +44,7 @@ test: $(STAMP)
 # the README's figure blocks, written from the default run (cached stages make a second call take seconds)
 figures: $(STAMP)
 	$(BIN)/regraft
-	$(BIN)/python bench/figures.py
+	$(BIN)/python bench/figures.py $(if $(wildcard $(VLLM_VENV)/bin/python),--vllm)  # vLLM beside hf, given the engine venv
 
 bench: $(STAMP)
 	$(BIN)/python bench/vocab_map.py
