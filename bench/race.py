@@ -4,6 +4,8 @@ full budget gives, and the share of that full compute the race spent, in the def
     .venv/bin/python bench/race.py                      # default sizes: both worlds, about 10 minutes
     .venv/bin/python bench/race.py --tiny               # debug=race (tests/test_race.py's sizes): about 2 minutes
     .venv/bin/python bench/race.py --world-override world.rotate_b=1 --budget 48
+    .venv/bin/python bench/race.py --tiny --seeds 0,1,2 # the drifted world (rotate_b=1) on three seeds
+    ... --readme NAME                                   # also write the table into README.md's figures:NAME block
 
 Each world runs `regraft pipeline.race=true` in-process (launcher=inline), then every candidate to the end from
 its own checkpoint folder (pipelines/race.py::every_candidate_to_the_end); both are cached in --outputs, so a
@@ -12,6 +14,9 @@ rerun prints the table at once.
 from __future__ import annotations
 
 import argparse
+import datetime
+import sys
+import textwrap
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -21,9 +26,11 @@ from rich.table import Table
 from pipelines.launchers import make_launcher
 from pipelines.race import every_candidate_to_the_end, rung_runner
 from pipelines.regraft import run_pipeline
+from pipelines.tracking import git_commit
 from stages.common.stage import CONF_DIR
 
 WORLDS = {"default": [], "drifted": ["world.rotate_b=1"]}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def race_world(outputs: Path, overrides: list[str], console: Console) -> tuple[dict, list[tuple[str, float]]]:
@@ -45,6 +52,25 @@ def yes_or_no(agrees: bool, answer: str) -> str:
     return f"yes ({answer})" if agrees else f"NO ({answer})"
 
 
+def best(ranking: list[tuple[str, float]], init: str) -> float:
+    return min(loss for label, loss in ranking if label.split()[0] == init)
+
+
+def markdown(header: tuple[str, ...], rows: list[tuple[str, ...]], said: str) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n\n" + "\n".join(textwrap.wrap(said, width=118)) + "\n"
+
+
+def write_readme(name: str, block: str) -> None:
+    """README.md's `<!-- figures:NAME -->` block replaced by this table (bench/figures.py's blocks)."""
+    from figures import render
+
+    readme = ROOT / "README.md"
+    readme.write_text(render(readme.read_text(), {name: block}))
+    print(f"README.md: figures:{name} written")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--outputs", type=Path, default=Path("outputs/bench_race"))
@@ -52,9 +78,13 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None, help="race.budget_steps")
     parser.add_argument("--world-override", action="append", default=None,
                         help="run one world with these overrides instead of the default and drifted ones")
+    parser.add_argument("--seeds", help="the drifted world (world.rotate_b=1) on these world seeds, e.g. 0,1,2")
+    parser.add_argument("--readme", help="also write the table into README.md's <!-- figures:NAME --> block")
     args = parser.parse_args()
     console = Console(width=120)
     worlds = {"given": args.world_override} if args.world_override else WORLDS
+    if args.seeds:
+        worlds = {f"seed{seed}": ["world.rotate_b=1", f"world.seed={seed}"] for seed in args.seeds.split(",")}
     common = (["debug=race"] if args.tiny else []) + \
         ([f"race.budget_steps={args.budget}"] if args.budget else [])
     table = Table(title="race vs every candidate to the end (ranked by val loss)", title_justify="left")
@@ -62,14 +92,38 @@ def main() -> None:
                "compute spent")
     for column in columns:
         table.add_column(column)
+    rows, shapes = [], []
     for name, overrides in worlds.items():
         race, ranking = race_world(args.outputs / name, [*common, *overrides], console)
         console.print(f"{name}: {race['decision']}", highlight=False, soft_wrap=True)
-        table.add_row(name, race["winner"], "; ".join(f"{label} {loss:.3f}" for label, loss in ranking),
-                      "yes" if ranking[0][0] == race["winner"] else "NO",
-                      yes_or_no(family_of(ranking[0][0]) == family_of(race["winner"]), family_of(race["winner"])),
-                      f"{race['steps_spent']} of {race['steps_all_to_the_end']} steps ({race['compute_share']:.0%})")
+        rows.append((f"{name} (`{' '.join(overrides) or 'defaults'}`)", race["winner"],
+                     "; ".join(f"{label} {loss:.3f}" for label, loss in ranking),
+                     "yes" if ranking[0][0] == race["winner"] else "NO",
+                     yes_or_no(family_of(ranking[0][0]) == family_of(race["winner"]), family_of(race["winner"])),
+                     f"{race['steps_spent']} of {race['steps_all_to_the_end']} steps ({race['compute_share']:.0%})"))
+        table.add_row(*rows[-1])
+        shapes.append((name, *(f"{best(ranking, init):.3f}" for init in ("realign", "remap", "scratch")),
+                       "yes" if best(ranking, "scratch") < best(ranking, "remap") else "no"))
     console.print(table)
+    if args.seeds:  # where the Kimi shape holds: scratch ends ahead of remap, realign ahead of both
+        shape = Table(title="the drifted world by seed: best val loss per init at the full budget", title_justify="left")
+        for column in SHAPE_COLUMNS:
+            shape.add_column(column)
+        for row in shapes:
+            shape.add_row(*row)
+        console.print(shape)
+    if args.readme:
+        command = "bench/race.py " + " ".join(arg for arg in sys.argv[1:] if not arg.startswith("--readme")
+                                              and arg != args.readme)
+        said = (f"`{command.strip()}`, written by the script on {datetime.date.today()} at commit {git_commit()}; "
+                f"budget {race['budget_steps']} steps, on 2 cores.")
+        block = markdown(columns, rows, said)
+        if args.seeds:
+            block = markdown(SHAPE_COLUMNS, shapes, said) + "\n" + block
+        write_readme(args.readme, block)
+
+
+SHAPE_COLUMNS = ("world", "realign", "remap", "scratch", "Kimi shape (scratch ahead of remap)")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def test_a_run_resumed_from_its_last_steps_checkpoint_still_validates(trained_ta
 def race_cfg(outputs, *overrides: str):
     from hydra import compose, initialize_config_dir
 
+    import pipelines.regraft  # noqa: F401  (registers every schema, for compose)
     from stages.common.stage import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -100,9 +101,27 @@ def test_race_picks_the_full_budget_winner_in_the_drifted_world(tmp_path):
     assert race["compute_share"] <= 0.5
     place = {label: index for index, (label, _) in enumerate(ranking)}
     best = lambda init: min(index for label, index in place.items() if label.startswith(init))
-    # the Kimi shape: the remapped drafter ends below scratch; the closed-form re-alignment is what rescues it
+    # the Kimi shape, on this seed (0): the remapped drafter ends below scratch; the closed-form re-alignment is what
+    # rescues it. On other seeds remap may end ahead of scratch (README, figures:drift-seeds; the test below)
     assert best("scratch") < best("remap")
     assert best("realign") < best("scratch")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_in_the_drifted_world_of_any_seed_realign_ends_first(tmp_path, seed):
+    """What holds beyond seed 0 (with seed 0's race test above, three seeds): every candidate trained to the full
+    budget ranks a re-aligned drafter first, ahead of remap and scratch. Whether scratch passes remap depends on the
+    seed, so it is not asserted here."""
+    from rich.console import Console
+
+    from pipelines.launchers import make_launcher
+    from pipelines.race import every_candidate_to_the_end, rung_runner
+
+    cfg = race_cfg(tmp_path, "world.rotate_b=1", f"world.seed={seed}", "race.lrs=[0.003]")
+    ranking = every_candidate_to_the_end(cfg, rung_runner(cfg, make_launcher(cfg.launcher, tmp_path / "jobs"), None,
+                                                          Console(quiet=True)))
+    assert [label.split()[0] for label, _ in ranking][0] == "realign", ranking
 
 
 @pytest.mark.slow
