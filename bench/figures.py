@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipelines.summary import COUNTS, LABELS, fmt  # noqa: E402
-from pipelines.tracking import git_commit  # noqa: E402
 
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S)
 
@@ -55,7 +54,7 @@ def run_commit(run: Path, summary: dict) -> str:
                              "c.key = 'git_commit' AND d.key = 'run_dir' AND d.value = ?", (str(run),)).fetchone()
         if row:
             return row[0]
-    return git_commit() + " (HEAD when the figures were written; the run recorded none)"
+    return code_commit() + " (HEAD when the figures were written; the run recorded none)"
 
 
 def default_run_block(run: Path, summary: dict) -> str:
@@ -115,6 +114,17 @@ def on_vllm(summary: dict, out: Path | None) -> tuple[dict, str] | None:
     metrics = vllm_evaluate(summary, out)
     manifest = json.loads((out / "manifest.json").read_text())
     return metrics, f"vllm {manifest.get('engine_versions', {}).get('vllm', '?')}"
+
+
+def code_commit() -> str:
+    """HEAD, `-dirty` when a tracked file other than README.md differs from it: the figure blocks this script and
+    bench/race.py write into README.md do not make the code that computed them another commit."""
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!README.md"],
+                             cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return (head or "unknown") + ("-dirty" if changed else "")
 
 
 def render(readme: str, blocks: dict[str, str]) -> str:

@@ -26,7 +26,6 @@ from rich.table import Table
 from pipelines.launchers import make_launcher
 from pipelines.race import every_candidate_to_the_end, rung_runner
 from pipelines.regraft import run_pipeline
-from pipelines.tracking import git_commit
 from stages.common.stage import CONF_DIR
 
 WORLDS = {"default": [], "drifted": ["world.rotate_b=1"]}
@@ -115,7 +114,9 @@ def main() -> None:
     if args.readme:
         command = "bench/race.py " + " ".join(arg for arg in sys.argv[1:] if not arg.startswith("--readme")
                                               and arg != args.readme)
-        said = (f"`{command.strip()}`, written by the script on {datetime.date.today()} at commit {git_commit()}; "
+        from figures import code_commit
+
+        said = (f"`{command.strip()}`, written by the script on {datetime.date.today()} at commit {code_commit()}; "
                 f"budget {race['budget_steps']} steps, on 2 cores.")
         block = markdown(columns, rows, said)
         if args.seeds:
