@@ -318,7 +318,7 @@ class SweepSummary(Callback):
             table.add_column(label, justify="right", no_wrap=True)
         table.add_column("ran", justify="right", no_wrap=True)
         for member in members:
-            shown = ["=phase 1" if member["phase1_is_scratch"] and key.endswith("/scratch")
+            shown = ["=phase 1" if member["phase1_is_scratch"] and key.startswith("scratch/")
                      else fmt(member["numbers"].get(key)) for key, _ in columns]
             table.add_row(member["member"], *member["varies"].values(), *shown,
                           "failed" if member["failed"] else str(len(member["ran"])))
