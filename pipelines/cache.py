@@ -1,4 +1,5 @@
-"""Content-addressed stage outputs: `<cache>/<stage>/<key>`, reused whenever their manifest says complete.
+"""Content-addressed stage outputs: `<cache>/<stage>/<key>`, reused when their manifest says complete and every
+file it lists is as it was written (CacheCheck: sizes always, sha256 by the `cache.verify` policy).
 
 A key hashes the stage name, its own resolved config (the output path left out, @references replaced by the
 upstream keys), a fingerprint of every outside path it reads, and the code version: every module of this project
@@ -13,15 +14,20 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import shutil
+import uuid
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Callable
 
 from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.dag import Node, substitute
-from stages.common.artifacts import read_manifest
+from stages.common.artifacts import read_manifest, sha256_of
+from stages.common.errors import RegraftError
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_PACKAGES = ("stages", "pipelines")
@@ -123,8 +129,78 @@ def output_dir(cache_root: Path, stage: str, key: str) -> Path:
 
 
 def is_complete(out: Path) -> bool:
+    """A manifest that says complete, and every file it lists there at its recorded size (a stat per file)."""
     manifest = read_manifest(out)
-    return bool(manifest and manifest.get("complete"))
+    return bool(manifest) and not size_problem(out, manifest)
+
+
+def size_problem(out: Path, manifest: dict) -> str | None:
+    for name, recorded in manifest.get("checksums", {}).items():
+        path = out / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != recorded["bytes"]:
+            return f"{name} is {path.stat().st_size} bytes, its manifest says {recorded['bytes']}"
+    return None
+
+
+@dataclass(frozen=True)
+class CacheCheck:
+    """What a cache hit is checked for before it is reused (`cache.*` in the config, pipelines/schema.py)."""
+
+    verify: str = "auto"  # size: presence and sizes; hash: also every file's sha256; auto: hash up to hash_limit_gb
+    hash_limit_gb: float = 4.0  # auto, above this: only files whose mtime moved since the manifest are hashed
+    on_mismatch: str = "recompute"  # or stop: end the run with one line naming the folder to delete
+
+    @classmethod
+    def of(cls, cfg: Any) -> "CacheCheck":
+        """From the config's `cache` section (enum members or their names)."""
+        name = lambda value: getattr(value, "name", str(value))  # noqa: E731
+        return cls(name(cfg.verify), float(cfg.hash_limit_gb), name(cfg.on_mismatch))
+
+    def files_to_hash(self, out: Path, checksums: dict[str, dict]) -> list[str]:
+        if self.verify == "size":
+            return []
+        total = sum(recorded["bytes"] for recorded in checksums.values())
+        if self.verify == "hash" or total <= self.hash_limit_gb * 2**30:
+            return list(checksums)
+        return [name for name, recorded in checksums.items() if (out / name).stat().st_mtime_ns != recorded["mtime_ns"]]
+
+    def problem(self, out: Path) -> str | None:
+        """Why a complete output must not be reused (a file missing, resized or changed), or None."""
+        manifest = read_manifest(out) or {}
+        checksums = manifest.get("checksums", {})
+        found = size_problem(out, manifest)
+        if found:
+            return found
+        for name in self.files_to_hash(out, checksums):
+            if sha256_of(out / name) != checksums[name]["sha256"]:
+                return f"{name} no longer has the sha256 its manifest recorded"
+        return None
+
+
+def verified_hit(out: Path, check: CacheCheck, say: Callable[[str], None]) -> bool:
+    """Whether a stage's output can be reused: complete and as its manifest recorded it. An output that is not is
+    moved aside and removed (under its lock), so the stage runs again, or ends the run under on_mismatch=stop."""
+    if read_manifest(out) is None:
+        return False
+    problem = check.problem(out)
+    if problem is None:
+        return True
+    if check.on_mismatch == "stop":
+        raise RegraftError(out, f"cached output changed since it was written: {problem}",
+                           f"delete the folder (rm -r {out}) and rerun, or set cache.on_mismatch=recompute")
+    with stage_lock(out):
+        if read_manifest(out) is not None and check.problem(out) is not None:
+            discard(out)
+    say(f"{out}: {problem}; not reused, computing it again")
+    return False
+
+
+def discard(out: Path) -> None:
+    aside = out.with_name(f".{out.name}.bad-{uuid.uuid4().hex[:8]}")
+    os.replace(out, aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def stage_lock(out: Path) -> FileLock:

@@ -26,7 +26,7 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines.cache import keys_for
+from pipelines.cache import CacheCheck, keys_for
 from pipelines.dag import Node, build_nodes, finetune_drafter, wired
 from pipelines.runner import NodeResult, run_dag
 
@@ -246,7 +246,7 @@ def rung_runner(cfg: DictConfig, launcher, tracker, console) -> Callable:
     def run_rungs(nodes: list[Node], done: dict[str, NodeResult]) -> dict[str, NodeResult]:
         every.extend(nodes)
         return run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
-                       cfg.launcher.max_parallel, keys_for(every), done)
+                       cfg.launcher.max_parallel, keys_for(every), done, check=CacheCheck.of(cfg.cache))
 
     return run_rungs
 

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 from rich.console import Console
 
-from pipelines.cache import is_complete, keys_for, output_dir
+from pipelines.cache import CacheCheck, is_complete, keys_for, output_dir, verified_hit
 from pipelines.dag import Node, check_graph, resolve
 from pipelines.launchers import Launcher
 from pipelines.progress import show as show_progress
@@ -107,11 +107,12 @@ def pending(nodes: list[Node], keys: dict[str, str], cache_root: Path) -> list[N
 def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tracker | None,
             console: Console, poll_s: float = 0.2, max_parallel: int | None = None,
             keys: dict[str, str] | None = None, done: dict[str, NodeResult] | None = None,
-            failures: dict[str, str] | None = None) -> dict[str, NodeResult]:
+            failures: dict[str, str] | None = None, check: CacheCheck = CacheCheck()) -> dict[str, NodeResult]:
     """`keys`: the nodes' cache keys when the caller has them already (keys_for). `done`: results of nodes run
     before (a race's earlier rungs) that these may read; they are neither run nor tracked again. `failures`: keep
     going past a failed node (a sweep): its line is put there, every node downstream of it is cancelled or never
-    dispatched (`not run: X failed`), the rest run on; the results hold the nodes that finished."""
+    dispatched (`not run: X failed`), the rest run on; the results hold the nodes that finished. `check`: what a
+    cache hit is checked for (pipelines/cache.py); an output that fails it is removed and its node dispatched."""
     done = done or {}
     check_graph(nodes, set(done))
     keys = keys or keys_for(nodes)
@@ -145,7 +146,8 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tr
         started = time.perf_counter()
         config = resolve(node.config, outputs)
         config.out = str(outputs[node.name])
-        hit = is_complete(outputs[node.name])
+        hit = verified_hit(outputs[node.name], check, lambda line: console.print(
+            f"[yellow]{node.name:>18}[/yellow] cache: {line}", highlight=False, soft_wrap=True))
         run_id = tracker.start_stage(node, keys[node.name], config, hit) if tracker else None
         if hit:
             record(node, outcome_from_manifest(outputs[node.name], True, 0.0), started, run_id)

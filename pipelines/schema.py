@@ -94,6 +94,11 @@ class TrackingConfig:
     artifact_location: str = "${paths.outputs}/mlartifacts"
     copy_checkpoints: bool = False  # big checkpoints are recorded by path and sha256, not copied into the store
     max_artifact_mb: float = setting(20.0, at_least=0)  # files larger than this are recorded, not copied
+    # an http store that does not answer: each call gives up after timeout_s and this many retries, and what it
+    # did not take waits in `outbox` for the next command (pipelines/outbox.py); the pipeline never waits on it
+    timeout_s: float = setting(10.0, at_least=1)
+    retries: int = setting(1, at_least=0)
+    outbox: str = "${paths.outputs}/outbox"
 
 
 @dataclass
@@ -116,6 +121,26 @@ class RaceConfig:
     budget_steps: int = setting(48, at_least=1)  # the full budget: optimizer steps of one candidate run to the end
     eta: int = setting(2, at_least=2)  # keep the best 1/eta at every rung
     rungs: int = setting(4, at_least=1)  # rung count, the last one at the full budget
+
+
+class Verify(str, Enum):
+    size = "size"  # every file present at its recorded size (a stat each)
+    hash = "hash"  # and every file's sha256 as recorded (reads the whole output on every hit)
+    auto = "auto"  # hash while the output is at most hash_limit_gb; above it, only files whose mtime moved
+
+
+class OnMismatch(str, Enum):
+    recompute = "recompute"  # the changed output is removed and the stage runs again
+    stop = "stop"  # the run ends with one line naming the folder to delete
+
+
+@dataclass
+class CacheConfig:
+    """What a cache hit is checked for before it is reused (pipelines/cache.py::CacheCheck)."""
+
+    verify: Verify = Verify.auto
+    hash_limit_gb: float = setting(4.0, at_least=0)
+    on_mismatch: OnMismatch = OnMismatch.recompute
 
 
 @dataclass
@@ -145,6 +170,7 @@ class RegraftConfig:
     tracking: TrackingConfig = MISSING
     pipeline: PipelineSwitches = field(default_factory=PipelineSwitches)
     race: RaceConfig = field(default_factory=RaceConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     paths: Paths = field(default_factory=Paths)
 
 

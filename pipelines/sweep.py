@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from pipelines.cache import keys_for
+from pipelines.cache import CacheCheck, keys_for
 from pipelines.dag import Node, build_nodes, substitute
 from pipelines.launchers import make_launcher
 from pipelines.preflight import check_before_any_work
@@ -168,7 +168,8 @@ def run_sweep(members: list[Member], sweep_dir: Path, console: Console) -> None:
     failures: dict[str, str] = {}
     try:
         results = run_dag(nodes, Path(base.paths.cache), launcher, MemberTrackers(plain, names), console,
-                          base.launcher.poll_s, base.launcher.max_parallel, keys, failures=failures)
+                          base.launcher.poll_s, base.launcher.max_parallel, keys, failures=failures,
+                          check=CacheCheck.of(base.cache))
     except BaseException as exc:
         for member in plain:
             if member.tracker is not None:

@@ -6,6 +6,7 @@ at most a hidden `.NAME.tmp-*` folder beside it, never a half-written output.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -181,5 +182,17 @@ class StagedOutput:
 
     def seal(self) -> None:
         files = sorted(p.relative_to(self.path).as_posix() for p in self.path.rglob("*") if p.is_file())
-        self.manifest.update(files=files, finished_at=time.time(), complete=True)
+        self.manifest.update(files=files, checksums={name: file_checksum(self.path / name) for name in files},
+                             finished_at=time.time(), complete=True)
         write_json_atomic(self.path / MANIFEST, self.manifest)
+
+
+def sha256_of(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def file_checksum(path: Path) -> dict[str, Any]:
+    """What a cache hit checks a file against (pipelines/cache.py): its size, mtime and sha256 when sealed."""
+    stat = path.stat()
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_of(path)}
