@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipelines.dag import Node
 from pipelines.jobs import StageOutcome
-from stages.common.artifacts import read_manifest, write_json_atomic
+from stages.common.artifacts import read_manifest, sha256_of
 from stages.common.errors import RegraftError
 
 # conf/config.yaml names run and sweep folders by time, microseconds and this process's id (`${regraft.pid:}`):
@@ -71,23 +71,11 @@ def numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def file_hashes(out: Path) -> dict[str, str]:
-    """sha256 of a completed output's big files, computed once and kept beside the (immutable) output."""
-    sidecar = out.with_name(out.name + ".sha256.json")
-    if sidecar.exists():
-        return json.loads(sidecar.read_text())
-    hashes = {p.relative_to(out).as_posix(): sha256(p) for p in sorted(out.rglob("*"))
-              if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES}
-    write_json_atomic(sidecar, hashes)
-    return hashes
+def checkpoint_hashes(out: Path) -> dict[str, str]:
+    """sha256 of an output's checkpoint files as they are now (a hit was checked against its manifest, and a file
+    may have changed since any earlier run recorded it)."""
+    return {p.relative_to(out).as_posix(): sha256_of(p) for p in sorted(out.rglob("*"))
+            if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES}
 
 
 SERIES_PREFIXES = ("train", "val", "preflight")  # metrics.jsonl splits, and the manifest keys that are their points
@@ -277,46 +265,15 @@ scratch baseline (finetune.init=scratch) has tag phase1_is_scratch=true and no /
 """
 
 
-class Tracker:
-    """The parent run of one invocation and a child run per stage node (start_stage, finish_stage), in one store."""
+class StoreWriter:
+    """What reaches the store: each record a Tracker queued, applied in order by the outbox's one thread (or by a
+    replay in a later process). Handles (`h<n>`) name runs before the store gave them ids; `ids` maps them."""
 
-    def __init__(self, cfg: DictConfig, run: Invocation | str, tags: dict[str, str]):
-        import mlflow
-        from mlflow.tracking import MlflowClient
+    def __init__(self, client: Any, cfg: DictConfig, experiment_id: str):
+        self.client, self.cfg, self.experiment_id = client, cfg, experiment_id
 
-        self.cfg = cfg
-        self.invocation = run if isinstance(run, Invocation) else Invocation(run)
-        mlflow.set_tracking_uri(cfg.uri)
-        with store_lock(cfg.uri):  # created and migrated once, by whichever run comes first
-            repair_store(cfg.uri)
-            self.client = MlflowClient(cfg.uri)
-            self.experiment_id = self.experiment(cfg.experiment, Path(cfg.artifact_location).absolute().as_uri())
-        self.commit = git_commit()
-        self.stages: dict[str, tuple[Node, str]] = {}  # child run id -> its node and cache key
-        parent = self.client.create_run(self.experiment_id, run_name=self.invocation.name,
-                                        tags={**tags, **self.invocation.tags, "git_commit": self.commit,
-                                              "kind": "pipeline"})
-        self.parent_id = parent.info.run_id
-
-    def experiment(self, name: str, artifact_location: str) -> str:
-        """The experiment's id, created if absent (a run that loses the race to create it takes the winner's),
-        tagged to open on its runs (MLflow 3 otherwise opens the GenAI overview) with a note on what to sort by."""
-        from mlflow.exceptions import MlflowException
-
-        experiment = self.client.get_experiment_by_name(name)
-        if experiment is None:
-            try:
-                self.client.create_experiment(name, artifact_location=artifact_location)
-            except MlflowException:
-                pass  # another run created it in between (a server store: no file lock)
-            experiment = self.client.get_experiment_by_name(name)
-        tags = experiment.tags
-        if tags.get("mlflow.experimentKind") != "custom_model_development":
-            self.client.set_experiment_tag(experiment.experiment_id, "mlflow.experimentKind",
-                                           "custom_model_development")
-        if "mlflow.note.content" not in tags:  # a description edited in the UI stays
-            self.client.set_experiment_tag(experiment.experiment_id, "mlflow.note.content", EXPERIMENT_NOTE)
-        return experiment.experiment_id
+    def apply(self, record: dict[str, Any], ids: dict[str, str]) -> None:
+        getattr(self, record["op"])(ids, record["at"], **record["args"])
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -325,11 +282,10 @@ class Tracker:
         for start in range(0, len(items), 100):
             self.client.log_batch(run_id, params=items[start:start + 100])
 
-    def log_metrics(self, run_id: str, rows: list[tuple[str, float, int]]) -> None:
+    def log_metrics(self, run_id: str, rows: list[tuple[str, float, int]], at: int) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        metrics = [Metric(key, value, now, step) for key, value, step in rows]
+        metrics = [Metric(key, value, at, step) for key, value, step in rows]
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(run_id, metrics=metrics[start:start + 1000])
 
@@ -340,47 +296,61 @@ class Tracker:
         for start in range(0, len(items), 100):
             self.client.log_batch(run_id, tags=items[start:start + 100])
 
-    def start_stage(self, node: Node, key: str, config: DictConfig, hit: bool) -> str:
-        """A child run for a node; `cache_hit` is `pending` while a dispatched job may still find it complete."""
-        tags = {**self.invocation.tags, "mlflow.parentRunId": self.parent_id, "stage": node.stage,
-                "node": node.name, "phase": node.phase, "cache_key": key,
-                "cache_hit": "true" if hit else "pending", "git_commit": self.commit}
-        name = node.name if self.invocation.name == "defaults" else f"{node.name} · {self.invocation.name}"
-        run = self.client.create_run(self.experiment_id, run_name=name[:250], tags=tags)
-        self.stages[run.info.run_id] = (node, key)
-        self.log_params(run.info.run_id, OmegaConf.to_container(config, resolve=True, enum_to_str=True))
-        return run.info.run_id
+    # --- the records' operations ---------------------------------------------------------------------------------
 
-    def finish_stage(self, run_id: str, outcome: StageOutcome | None, error: str | None = None,
-                     job_id: str = "", log: str = "", status: str = "FAILED", versions_note: str = "") -> None:
-        """A stage's results into its child run; without an outcome, `error` and `status` (FAILED or KILLED)."""
-        tags = {"job_id": job_id, "versions_differ": versions_note, "job_log": log}
-        tags = {key: value for key, value in tags.items() if value}
+    def create_run(self, ids: dict[str, str], at: int, handle: str, name: str, tags: dict[str, str],
+                   parent: str | None = None, params: dict[str, Any] | None = None) -> None:
+        if parent is not None:
+            tags = {**tags, "mlflow.parentRunId": ids[parent]}
+        run = self.client.create_run(self.experiment_id, start_time=at, run_name=name[:250], tags=tags)
+        ids[handle] = run.info.run_id
+        if params:
+            self.log_params(run.info.run_id, params)
+
+    def finish_stage(self, ids: dict[str, str], at: int, handle: str, stage: str, key: str,
+                     outcome: dict[str, Any] | None, error: str | None, tags: dict[str, str], status: str) -> None:
+        run_id = ids[handle]
         if outcome is None:  # it made no output, so nothing was a hit: `pending` must not outlive the run
             self.set_tags(run_id, {**tags, "cache_hit": "false", "error": (error or "")[:5000]})
-            self.client.set_terminated(run_id, status)
+            self.client.set_terminated(run_id, status, end_time=at)
             return
-        out = Path(outcome.out)
-        node, key = self.stages.get(run_id, (None, ""))
-        tags.update(cache_hit=str(outcome.hit).lower(), out=str(out))
-        for name, digest in file_hashes(out).items():
+        out = Path(outcome["out"])
+        tags = {**tags, "cache_hit": str(outcome["hit"]).lower(), "out": str(out)}
+        for name, digest in checkpoint_hashes(out).items():
             tags[f"sha256.{name}"] = digest
             tags[f"path.{name}"] = str(out / name)
-        rows = stage_metrics(outcome.metrics, out)
-        if outcome.hit and node is not None:
-            holder = self.artifacts_holder(run_id, node.stage, key, out)
+        rows = stage_metrics(outcome["metrics"], out)
+        if outcome["hit"]:
+            holder = self.artifacts_holder(run_id, stage, key, out)
             seconds, tags["stage_seconds_from"] = self.original_seconds(holder, out)
             tags.update(artifacts_run=holder.info.run_id if holder else run_id,
                         artifacts="uploaded" if holder is None else f"in run {holder.info.run_id} (cache hit)")
         else:
-            seconds = outcome.seconds
+            seconds = outcome["seconds"]
             self.log_files(run_id, out)
             tags.update(artifacts_run=run_id, artifacts="uploaded")
         if seconds is not None:
             rows.append(("stage_seconds", float(seconds), 0))
-        self.log_metrics(run_id, rows)
+        self.log_metrics(run_id, rows, at)
         self.set_tags(run_id, tags)  # `artifacts=uploaded` last: what a hit in another run looks for
-        self.client.set_terminated(run_id, "FINISHED")
+        self.client.set_terminated(run_id, "FINISHED", end_time=at)
+
+    def finish_parent(self, ids: dict[str, str], at: int, handle: str, status: str, params: dict[str, Any],
+                      metrics: dict[str, float], tags: dict[str, str], files: list[str],
+                      same_computation: dict[str, str]) -> None:
+        run_id = ids[handle]
+        for child, names in same_computation.items():
+            self.client.set_tag(ids[child], "same_computation_as", names)
+        self.log_params(run_id, params)
+        self.log_metrics(run_id, [(key, float(value), 0) for key, value in metrics.items()], at)
+        if tags:
+            self.set_tags(run_id, tags)
+        for path in files:
+            if Path(path).exists():
+                self.client.log_artifact(run_id, path)
+        self.client.set_terminated(run_id, status, end_time=at)
+
+    # --- cache hits: one upload per output per store -------------------------------------------------------------
 
     def holder(self, stage: str, key: str) -> Any:
         """The child run that holds the artifacts of this stage output, if any run in this store uploaded them."""
@@ -436,6 +406,58 @@ class Tracker:
             self.client.log_artifact(run_id, str(path), artifact_path=relative.parent.as_posix()
                                      if relative.parent != Path(".") else None)
 
+
+class Tracker:
+    """The parent run of one invocation and a child run per stage node (start_stage, finish_stage), in one store.
+
+    Nothing here waits on the store: each call queues a record that the store's outbox (pipelines/outbox.py) sends
+    from its own thread, so a store that is slow or gone never holds up a stage. What it could not send is kept in
+    the outbox folder and sent by the next regraft command; `finish` waits for this tracker's records and says so.
+    """
+
+    def __init__(self, cfg: DictConfig, run: Invocation | str, tags: dict[str, str]):
+        from pipelines.outbox import Outbox, owner_tags
+
+        self.cfg = cfg
+        self.invocation = run if isinstance(run, Invocation) else Invocation(run)
+        self.outbox = Outbox.of(cfg)  # opens the store (creating or migrating it) unless it does not answer
+        self.owner = owner_tags()
+        self.letter = self.outbox.letter(self.owner)
+        self.commit = git_commit()
+        self.stages: dict[str, tuple[Node, str]] = {}  # child handle -> its node and cache key
+        self.parent = self.handle()
+        self.queue("create_run", handle=self.parent, name=self.invocation.name,
+                   tags={**tags, **self.invocation.tags, **self.owner, "git_commit": self.commit, "kind": "pipeline"})
+
+    def handle(self) -> str:
+        return self.outbox.new_handle()
+
+    def queue(self, op: str, **args: Any) -> None:
+        self.outbox.put(self.letter, {"op": op, "at": int(time.time() * 1000), "args": args})
+
+    def start_stage(self, node: Node, key: str, config: DictConfig, hit: bool) -> str:
+        """A child run for a node; `cache_hit` is `pending` while a dispatched job may still find it complete.
+        Returns the run's handle, which finish_stage takes."""
+        tags = {**self.invocation.tags, **self.owner, "stage": node.stage, "node": node.name, "phase": node.phase,
+                "cache_key": key, "cache_hit": "true" if hit else "pending", "git_commit": self.commit}
+        name = node.name if self.invocation.name == "defaults" else f"{node.name} · {self.invocation.name}"
+        handle = self.handle()
+        self.stages[handle] = (node, key)
+        self.queue("create_run", handle=handle, name=name, tags=tags, parent=self.parent,
+                   params=OmegaConf.to_container(config, resolve=True, enum_to_str=True))
+        return handle
+
+    def finish_stage(self, handle: str, outcome: StageOutcome | None, error: str | None = None,
+                     job_id: str = "", log: str = "", status: str = "FAILED", versions_note: str = "") -> None:
+        """A stage's results into its child run; without an outcome, `error` and `status` (FAILED or KILLED)."""
+        tags = {"job_id": job_id, "versions_differ": versions_note, "job_log": log}
+        node, key = self.stages.get(handle, (None, ""))
+        self.queue("finish_stage", handle=handle, stage=node.stage if node else "", key=key,
+                   outcome=None if outcome is None else {"out": str(outcome.out), "hit": outcome.hit,
+                                                         "metrics": plain_numbers(outcome.metrics),
+                                                         "seconds": outcome.seconds},
+                   error=error, tags={key: value for key, value in tags.items() if value}, status=status)
+
     @classmethod
     def for_pipeline(cls, cfg: DictConfig, run: Invocation, overrides: list[str], run_dir: Path) -> "Tracker | None":
         """A pipeline run's parent run, tagged with its overrides and run folder; None when tracking is off."""
@@ -451,38 +473,50 @@ class Tracker:
     def finish(self, status: str, params: dict[str, Any], metrics: dict[str, float], files: list[Path],
                summary: dict | None = None) -> None:
         """The parent run: its overrides as params, the headline numbers (`phase1/accept_len`, ...) and, given the
-        run's summary, how many stages ran and were hits, which nodes were one computation, and a note."""
+        run's summary, how many stages ran and were hits, which nodes were one computation, and a note. Then waits
+        for this tracker's records to be sent or kept."""
         tags: dict[str, str] = {}
-        metrics = dict(metrics)
+        metrics = {key: float(value) for key, value in metrics.items() if numeric(value)}
+        same_computation: dict[str, str] = {}
         if summary is not None:
             stages = summary["stages"]
             ran = sorted(name for name, stage in stages.items() if not stage["hit"])
             metrics.update({"stages/ran": len(ran), "stages/hit": len(stages) - len(ran)})
             tags["stages_ran"] = " ".join(ran) or "(none: every stage was a cache hit)"
             for group in summary.get("one_computation", []):
-                for run_id, (node, _) in self.stages.items():
+                for handle, (node, _) in self.stages.items():
                     if node.name in group:
-                        self.client.set_tag(run_id, "same_computation_as",
-                                            " ".join(name for name in group if name != node.name))
+                        same_computation[handle] = " ".join(name for name in group if name != node.name)
             if summary.get("phase1_is_scratch"):
                 tags["phase1_is_scratch"] = "true"
             tags["mlflow.note.content"] = run_note(summary)
-        self.log_params(self.parent_id, params)
-        self.log_metrics(self.parent_id, [(key, float(value), 0) for key, value in metrics.items() if numeric(value)])
-        if tags:
-            self.set_tags(self.parent_id, tags)
-        for path in files:
-            if path.exists():
-                self.client.log_artifact(self.parent_id, str(path))
-        self.client.set_terminated(self.parent_id, status)
+        self.queue("finish_parent", handle=self.parent, status=status, params=params, metrics=metrics, tags=tags,
+                   files=[str(path) for path in files], same_computation=same_computation)
+        self.outbox.close(self.letter)
+
+    def run_id(self, handle: str) -> str | None:
+        """The store's id for a handle, once the store has it."""
+        return self.letter.ids.get(handle)
+
+    @property
+    def parent_id(self) -> str | None:
+        return self.run_id(self.parent)
 
     def ui_command(self) -> str:
         return ui_command(self.cfg)
 
-    def runs_link(self) -> str:
-        """The runs table on every pipeline's parent run, this one's sweep only if it is a sweep member."""
+    def runs_link(self) -> str | None:
+        """The runs table on every pipeline's parent run, this one's sweep only if it is a sweep member; None while
+        the store does not answer."""
+        if not self.outbox.answering():
+            return None
         sweep = self.invocation.tags.get("sweep")
-        return runs_link(self.client, self.experiment_id, self.cfg, sweep)
+        return runs_link(self.outbox.client, self.outbox.experiment_id, self.cfg, sweep)
+
+
+def plain_numbers(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A stage's figures as JSON keeps them (a record may wait in an outbox file)."""
+    return {key: float(value) if numeric(value) else str(value) for key, value in metrics.items()}
 
 
 def ui_command(cfg: DictConfig) -> str:
@@ -520,9 +554,15 @@ def sweep_link(cfg: DictConfig, sweep: str) -> str | None:
         return None
     from mlflow.tracking import MlflowClient
 
+    from pipelines.outbox import quick_http
+
+    quick_http(cfg)
     client = MlflowClient(cfg.uri)
-    experiment = client.get_experiment_by_name(cfg.experiment)
-    return runs_link(client, experiment.experiment_id, cfg, sweep) if experiment else None
+    try:
+        experiment = client.get_experiment_by_name(cfg.experiment)
+        return runs_link(client, experiment.experiment_id, cfg, sweep) if experiment else None
+    except Exception:  # noqa: BLE001 (a store that does not answer: its members said so, the link can wait)
+        return None
 
 
 def run_note(summary: dict) -> str:

@@ -122,3 +122,42 @@ def first_row_run_id(dom: str) -> str | None:
 
     found = re.search(r'row-index="0" row-id="([0-9a-f]{32})"', dom)
     return found[1] if found else None
+
+
+def start_mlflow_server(folder: Path, port: int):
+    """A real `mlflow server` on `port` over a sqlite store in `folder` (the same folder again: the same store),
+    answering /health; its own process group, so a test can kill it whole."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    folder.mkdir(parents=True, exist_ok=True)
+    mlflow = Path(sys.executable).parent / "mlflow"
+    server = subprocess.Popen([str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                               "--backend-store-uri", f"sqlite:///{folder}/server.db",
+                               "--default-artifact-root", str(folder / "served")],
+                              stdout=(folder / "server.log").open("a"), stderr=subprocess.STDOUT,
+                              env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}, start_new_session=True)
+    deadline = time.monotonic() + 150
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return server
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("mlflow server did not answer /health: "
+                                     + (folder / "server.log").read_text()[-2000:]) from None
+            time.sleep(0.25)
+
+
+def stop_mlflow_server(server, signal_number: int = 15) -> None:
+    import os
+
+    try:
+        os.killpg(server.pid, signal_number)
+    except ProcessLookupError:
+        pass
+    server.wait(timeout=30)

@@ -1,0 +1,304 @@
+"""The store's outbox: every MLflow write of a process is a record sent in order from one thread, so dispatching a
+stage never waits on the store; what a store that stopped answering did not take is kept in a file and sent later.
+
+- One Outbox per store (tracking.uri) per process; each Tracker is one letter in it: its records, and the ids the
+  store gave its runs' handles. Calls to an http store time out after `tracking.timeout_s` with `tracking.retries`
+  retries (MLflow's own defaults retry for minutes); the first call that fails marks the store down for the rest
+  of the process, and every later record goes to the letter's file in `tracking.outbox` (`<outputs>/outbox`).
+- The next regraft command on that store (or `python -m pipelines.outbox <folder>`) sends each kept letter whose
+  process is gone, in order, into the same runs, then closes runs that a gone process left RUNNING as KILLED
+  (tag `closed_because`), and says in one line what it sent and what it closed.
+- A process is known by host, pid and start time (tags `regraft.host`, `regraft.pid`, `regraft.started` on every
+  run), so a reused pid is not mistaken for the owner; runs another host left are not judged from here.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+from rich.console import Console
+
+from pipelines.tracking import EXPERIMENT_NOTE, StoreWriter, repair_store, store_lock
+from stages.common.artifacts import write_json_atomic
+from stages.common.errors import RegraftError
+
+OWNER_TAGS = ("regraft.host", "regraft.pid", "regraft.started")
+KEPT_PATTERN = "*.json"
+
+
+def owner_tags(pid: int | None = None) -> dict[str, str]:
+    """This process (or `pid`) as the tags every run it opens carries."""
+    import psutil
+
+    pid = os.getpid() if pid is None else pid
+    return {"regraft.host": socket.gethostname(), "regraft.pid": str(pid),
+            "regraft.started": f"{psutil.Process(pid).create_time():.2f}"}
+
+
+def owner_gone(owner: dict[str, str]) -> bool:
+    """Whether the process that owns a run or a kept letter has ended (False when it runs on another host: not
+    judged from here)."""
+    import psutil
+
+    if owner.get("regraft.host") != socket.gethostname():
+        return False
+    try:
+        started = psutil.Process(int(owner["regraft.pid"])).create_time()
+    except (psutil.NoSuchProcess, KeyError, ValueError):
+        return True
+    return f"{started:.2f}" != owner.get("regraft.started")
+
+
+def first_line(exc: BaseException) -> str:
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def outbox_dir(cfg: DictConfig) -> Path:
+    return Path(cfg.get("outbox") or Path(cfg.artifact_location).parent / "outbox")
+
+
+def quick_http(cfg: DictConfig) -> None:
+    """MLflow's http client retries a call for about 4.5 minutes by default; a run must not wait that long."""
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(cfg.get("timeout_s", 10)))
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(int(cfg.get("retries", 1)))
+
+
+@dataclass
+class Letter:
+    """One Tracker's records: how many are not yet sent or kept, what was kept, the store's ids for its handles."""
+
+    path: Path
+    owner: dict[str, str]
+    ids: dict[str, str] = field(default_factory=dict)
+    kept: list[dict[str, Any]] = field(default_factory=list)
+    outstanding: int = 0
+
+
+class Outbox:
+    """One store's writer thread for this process (Outbox.of(cfg)), and what it could not send."""
+
+    opened: dict[str, "Outbox"] = {}
+    handles = itertools.count()
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> "Outbox":
+        key = f"{cfg.uri}\n{cfg.experiment}"
+        if key not in cls.opened:
+            cls.opened[key] = cls(cfg)
+        return cls.opened[key]
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg, self.folder = cfg, outbox_dir(cfg)
+        self.down: str | None = None
+        self.client: Any = None
+        self.experiment_id = ""
+        self.console = Console()
+        self.records: queue.Queue = queue.Queue()
+        self.changed = threading.Condition()
+        self.letters: list[Letter] = []
+        self.caught_up = threading.Event()
+        quick_http(cfg)
+        try:
+            self.open()
+        except RegraftError:
+            raise  # a store regraft cannot use at all (not migratable): the user's to fix, said before any work
+        except Exception as exc:  # noqa: BLE001 (any failure to reach the store is an outage, never the run's end)
+            self.down = first_line(exc)
+        threading.Thread(target=self.send, name=f"outbox {cfg.uri}", daemon=True).start()
+        if self.down is None:
+            self.records.put((None, self.catch_up))
+        else:
+            self.caught_up.set()
+        atexit.register(self.close_all)
+
+    def open(self) -> None:
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        mlflow.set_tracking_uri(self.cfg.uri)
+        with store_lock(self.cfg.uri):  # created and migrated once, by whichever run comes first
+            repair_store(self.cfg.uri)
+            self.client = MlflowClient(self.cfg.uri)
+            self.experiment_id = experiment(self.client, self.cfg.experiment,
+                                            Path(self.cfg.artifact_location).absolute().as_uri())
+        self.writer = StoreWriter(self.client, self.cfg, self.experiment_id)
+
+    def answering(self) -> bool:
+        return self.down is None and self.client is not None
+
+    def new_handle(self) -> str:
+        return f"h{next(self.handles)}"
+
+    def letter(self, owner: dict[str, str]) -> Letter:
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        letter = Letter(self.folder / f"{stamp}_{os.getpid()}_{uuid.uuid4().hex[:6]}.json", owner)
+        self.letters.append(letter)
+        return letter
+
+    def put(self, letter: Letter, record: dict[str, Any]) -> None:
+        with self.changed:
+            letter.outstanding += 1
+        self.records.put((letter, record))
+
+    def send(self) -> None:
+        """The writer thread: each record to the store in order, or, once the store is down, to its letter's file."""
+        while True:
+            letter, record = self.records.get()
+            if letter is None:
+                self.attempt(record)
+                self.caught_up.set()
+                continue
+            if self.down is None:
+                self.attempt(lambda: self.writer.apply(record, letter.ids))
+            if self.down is not None:
+                self.keep(letter, record)
+            with self.changed:
+                letter.outstanding -= 1
+                self.changed.notify_all()
+
+    def attempt(self, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 (whatever the store raised: it is down for this process)
+            self.down = first_line(exc)
+
+    def keep(self, letter: Letter, record: dict[str, Any]) -> None:
+        letter.kept.append(record)
+        payload = {"uri": self.cfg.uri, "experiment": self.cfg.experiment,
+                   "artifact_location": self.cfg.artifact_location, "max_artifact_mb": self.cfg.max_artifact_mb,
+                   "copy_checkpoints": self.cfg.copy_checkpoints, "owner": letter.owner, "error": self.down,
+                   "ids": letter.ids, "records": letter.kept}
+        try:
+            letter.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(letter.path, payload)
+        except OSError:
+            pass  # nowhere to keep it either (a full disk): the run says so when it ends
+
+    def close(self, letter: Letter) -> None:
+        """Wait until every record of the letter is sent or kept (bounded by the http timeouts), and say in one line
+        what was kept and how it will be sent."""
+        with self.changed:
+            self.changed.wait_for(lambda: letter.outstanding == 0)
+        if letter.kept:
+            self.console.print(
+                f"[yellow]tracking:[/yellow] {self.cfg.uri} stopped answering ({self.down}); {len(letter.kept)} "
+                f"updates of this run are kept in {letter.path} and go to MLflow with the next regraft command, or "
+                f"now with `python -m pipelines.outbox {self.folder}`", highlight=False, soft_wrap=True)
+
+    def close_all(self) -> None:
+        for letter in self.letters:
+            if letter.outstanding:
+                self.close(letter)
+
+    # --- catching up: kept letters of gone processes, then runs they left RUNNING --------------------------------
+
+    def catch_up(self) -> None:
+        sent = send_kept(self.folder, self.writer, self.cfg)
+        closed = close_orphans(self.client, self.experiment_id)
+        if sent:
+            self.console.print(f"[yellow]tracking:[/yellow] sent {sent} updates that an outage had kept in "
+                               f"{self.folder}", highlight=False, soft_wrap=True)
+        if closed:
+            self.console.print(f"[yellow]tracking:[/yellow] closed {closed} runs left RUNNING by regraft processes "
+                               "that are gone (status KILLED, tag closed_because)", highlight=False, soft_wrap=True)
+
+
+def experiment(client: Any, name: str, artifact_location: str) -> str:
+    """The experiment's id, created if absent (a run that loses the race to create it takes the winner's), tagged to
+    open on its runs (MLflow 3 otherwise opens the GenAI overview) with a note on what to sort by."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        try:
+            client.create_experiment(name, artifact_location=artifact_location)
+        except MlflowException:
+            pass  # another run created it in between (a server store: no file lock)
+        found = client.get_experiment_by_name(name)
+    tags = found.tags
+    if tags.get("mlflow.experimentKind") != "custom_model_development":
+        client.set_experiment_tag(found.experiment_id, "mlflow.experimentKind", "custom_model_development")
+    if "mlflow.note.content" not in tags:  # a description edited in the UI stays
+        client.set_experiment_tag(found.experiment_id, "mlflow.note.content", EXPERIMENT_NOTE)
+    return found.experiment_id
+
+
+def send_kept(folder: Path, writer: StoreWriter, cfg: DictConfig) -> int:
+    """Every kept letter for this store whose process is gone, sent in order; a letter that fails again keeps what is
+    left of it. The number of records sent."""
+    from filelock import FileLock
+
+    sent = 0
+    for path in sorted(folder.glob(KEPT_PATTERN)):
+        with FileLock(str(path) + ".lock"):  # two commands catching up at once send a letter once
+            if not path.exists():
+                continue
+            kept = json.loads(path.read_text())
+            if (kept["uri"], kept["experiment"]) != (cfg.uri, cfg.experiment) or not owner_gone(kept["owner"]):
+                continue
+            while kept["records"]:
+                writer.apply(kept["records"][0], kept["ids"])  # raises while the store is still down
+                kept["records"].pop(0)
+                sent += 1
+                write_json_atomic(path, kept)
+            path.unlink()
+        Path(str(path) + ".lock").unlink(missing_ok=True)
+    return sent
+
+
+def close_orphans(client: Any, experiment_id: str) -> int:
+    """Runs this host's regraft processes opened and left RUNNING when they ended (kill -9, a crash): KILLED."""
+    host = socket.gethostname()
+    runs = client.search_runs([experiment_id], f"attributes.status = 'RUNNING' and tags.`regraft.host` = '{host}'",
+                              max_results=5000)
+    closed = 0
+    for run in runs:
+        owner = {key: run.data.tags.get(key, "") for key in OWNER_TAGS}
+        if not owner_gone(owner):
+            continue
+        tags = {"closed_because": f"its regraft process (pid {owner['regraft.pid']} on {host}) was gone when a "
+                                  f"later regraft command looked at {time.strftime('%Y-%m-%d %H:%M:%S')}"}
+        if run.data.tags.get("cache_hit") == "pending":
+            tags["cache_hit"] = "false"
+        for key, value in tags.items():
+            client.set_tag(run.info.run_id, key, value)
+        client.set_terminated(run.info.run_id, "KILLED")
+        closed += 1
+    return closed
+
+
+def main(argv: list[str]) -> int:
+    """`python -m pipelines.outbox [folder]`: send every kept letter in the folder (default outputs/outbox) whose
+    process is gone, each to its own store, and close the runs gone processes left RUNNING there."""
+    from omegaconf import OmegaConf
+
+    folder = Path(argv[0] if argv else "outputs/outbox")
+    stores = {}
+    for path in sorted(folder.glob(KEPT_PATTERN)):
+        kept = json.loads(path.read_text())
+        stores[(kept["uri"], kept["experiment"])] = {key: kept[key] for key in (
+            "uri", "experiment", "artifact_location", "max_artifact_mb", "copy_checkpoints")}
+    status = 0
+    for settings in stores.values():
+        outbox = Outbox.of(OmegaConf.create({**settings, "outbox": str(folder)}))
+        outbox.caught_up.wait()
+        if outbox.down is not None:
+            print(f"tracking: {settings['uri']} still does not answer ({outbox.down}); its letters stay in {folder}")
+            status = 1
+    return status
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
