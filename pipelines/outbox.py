@@ -85,6 +85,7 @@ class Letter:
     ids: dict[str, str] = field(default_factory=dict)
     kept: list[dict[str, Any]] = field(default_factory=list)
     outstanding: int = 0
+    unkept: str = ""  # why the letter's file could not be written, if it could not
 
 
 class Outbox:
@@ -184,15 +185,20 @@ class Outbox:
         try:
             letter.path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(letter.path, payload)
-        except OSError:
-            pass  # nowhere to keep it either (a full disk): the run says so when it ends
+        except OSError as exc:  # nowhere to keep it either (a full disk): the run says so when it ends
+            letter.unkept = first_line(exc)
 
     def close(self, letter: Letter) -> None:
         """Wait until every record of the letter is sent or kept (bounded by the http timeouts), and say in one line
         what was kept and how it will be sent."""
         with self.changed:
             self.changed.wait_for(lambda: letter.outstanding == 0)
-        if letter.kept:
+        if letter.unkept:
+            self.console.print(
+                f"[yellow]tracking:[/yellow] {self.cfg.uri} stopped answering ({self.down}) and {letter.path} could "
+                f"not keep what it did not take ({letter.unkept}); every figure is in this run's stage outputs, and "
+                "the same command run again logs them as cache hits", highlight=False, soft_wrap=True)
+        elif letter.kept:
             self.console.print(
                 f"[yellow]tracking:[/yellow] {self.cfg.uri} stopped answering ({self.down}); {len(letter.kept)} "
                 f"updates of this run are kept in {letter.path} and go to MLflow with the next regraft command, or "
