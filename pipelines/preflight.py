@@ -1,6 +1,8 @@
 """Everything regraft can check before any stage runs, in seconds: a bad value or input fails here with one line
 naming it and the fix, not after an hour of upstream stages with a traceback.
 
+- no setting holds a key, token or password, and no URL credentials (stages/common/credentials.py): checked by a
+  Hydra callback before `.hydra/` is written, so a refused secret reaches no file;
 - every setting's bounds and cross-field rules (the schemas' `setting`s and checks, stages/common/stage.py);
 - the outputs folder can be written, the MLflow tracking server answers;
 - every input given as a path exists; chat files are not empty and start with a chat line;
@@ -26,6 +28,7 @@ from pipelines.launchers import Launcher
 from pipelines.schema import RegraftConfig
 from stages.common.chat import read_conversations
 from stages.common.checkpoint import DrafterCheckpoint
+from stages.common.credentials import refuse_secrets
 from stages.common.drafter_config import check_drafter_fits_target, target_config
 from stages.common.errors import RegraftError
 from stages.common.stage import check_config
@@ -120,12 +123,15 @@ def check_models(cfg: DictConfig) -> None:
                                       same_vocab=bool(cfg.pipeline.probe))
 
 
-class WritableOutputs(Callback):
-    """Hydra makes the run folder under paths.outputs before regraft's own code runs: check it can first."""
+class BeforeRunFolder(Callback):
+    """A check of the composed config before Hydra makes the run folder and writes `.hydra/` in it."""
+
+    def check(self, config: DictConfig) -> None:
+        raise NotImplementedError
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            check_outputs_writable(config)
+            self.check(config)
         except RegraftError as exc:
             print(f"error: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
@@ -133,8 +139,23 @@ class WritableOutputs(Callback):
     on_multirun_start = on_run_start
 
 
+class WritableOutputs(BeforeRunFolder):
+    """Hydra makes the run folder under paths.outputs before regraft's own code runs: check it can first."""
+
+    def check(self, config: DictConfig) -> None:
+        check_outputs_writable(config)
+
+
+class NoSecrets(BeforeRunFolder):
+    """Hydra writes every setting and override into `.hydra/`: a key given as one is refused before that."""
+
+    def check(self, config: DictConfig) -> None:
+        refuse_secrets(config)
+
+
 def check_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launcher) -> None:
     """Every check above, cheapest first; raises the first RegraftError."""
+    refuse_secrets(cfg)
     check_config(cfg, RegraftConfig, "")
     check_outputs_writable(cfg)
     check_tracking_reachable(cfg)

@@ -10,7 +10,9 @@ reject the sample unasked.
   depth one batched generate over the samples of a chunk (`batch_size`) that have that many turns.
 - `engine=openai`: any OpenAI-compatible server (SGLang's, vLLM's) at `server_url`, `POST /v1/chat/completions`
   with `concurrency` requests in flight, each sample turn by turn; `extra_body` is merged into every request
-  (`chat_template_kwargs`, `top_k`, ...; on the command line `+extra_body.top_k=20`).
+  (`chat_template_kwargs`, `top_k`, ...; on the command line `+extra_body.top_k=20`). A server run with
+  `--api-key` gets the key from the environment variable `api_key_env` names (REGRAFT_API_KEY) as a bearer token;
+  the key is never a setting (`api_key=` is refused), and a refused key ends the stage at once, naming the variable.
 Sampling: `temperature`, `top_p`, `max_tokens`. The openai engine sends each turn a seed drawn from `seed`, the
 sample's id and the turn; the offline engine gets one seed per turn depth (its worker takes one per call), which
 vLLM applies per request, so an answer does not depend on its batch either way; temperature 0 is greedy.
@@ -31,7 +33,8 @@ input order, so every sample appears exactly once (in one of the two files); the
 output is complete. A rejected sample is finished too: delete the work folder to ask it again.
 
     python -m stages.regenerate data=chats.jsonl out=DIR target=MODEL_DIR [engine=vllm] [temperature=0.7]
-    python -m stages.regenerate data=chats.jsonl out=DIR engine=openai server_url=http://host:30000 concurrency=128
+    REGRAFT_API_KEY=... python -m stages.regenerate data=chats.jsonl out=DIR engine=openai \
+        server_url=http://host:30000 concurrency=128
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ from tqdm import tqdm
 from stages.common.artifacts import engine_fields, plain_config, staged_output
 from stages.common.chat import batched, load_tokenizer, read_chat_records
 from stages.common.chat_prompts import context_length, prompt_ids, stop_ids
+from stages.common.credentials import DEFAULT_KEY_ENV, refuse_secrets
 from stages.common.data_parts import part_manifests, part_slice
 from stages.common.errors import RegraftError
 from stages.common.openai_client import Refused, chat_completion, served_models
@@ -76,6 +80,8 @@ class RegenerateConfig:
     engine: Engine = Engine.vllm
     server_url: Optional[str] = None  # openai: http://host:port of a running server (no /v1)
     model: Optional[str] = None  # openai: the served model's name; None: the one /v1/models lists
+    api_key_env: str = DEFAULT_KEY_ENV  # openai: the environment variable holding the server's --api-key (if any)
+    api_key: Optional[str] = None  # never set: refused (a setting is written to .hydra/, manifests, MLflow)
     temperature: float = setting(0.0, at_least=0)  # 0: greedy
     top_p: float = setting(1.0, above=0, at_most=1)
     max_tokens: int = setting(2048, at_least=1)  # per answer
@@ -99,6 +105,7 @@ class RegenerateConfig:
 
 def check_regenerate(cfg: DictConfig, where: str) -> None:
     prefix = f"{where}." if where else ""
+    refuse_secrets(cfg, where)
     if Engine(cfg.engine) is Engine.openai and not cfg.server_url:
         raise RegraftError(f"{prefix}server_url", "engine=openai needs a server",
                            f"set {prefix}server_url=http://HOST:PORT of a running SGLang or vLLM server")
@@ -247,7 +254,7 @@ class WorkLog:
 # --- engine=openai --------------------------------------------------------------------------------------------------
 
 def server_model(cfg: DictConfig, url: str) -> str:
-    models = served_models(url, cfg.request_timeout_s, cfg.retries)
+    models = served_models(url, cfg.request_timeout_s, cfg.retries, cfg.api_key_env)
     if cfg.model:
         if cfg.model not in models:
             raise RegraftError(f"model={cfg.model}", f"is not served at {url} (it serves {', '.join(models)})",
@@ -268,6 +275,7 @@ class Asking:
     seed: int
     timeout: float
     retries: int
+    key_env: str  # the variable holding the server's key (read by each request, never kept here)
 
 
 def converse(asking: Asking, sample: Sample) -> dict:
@@ -279,7 +287,7 @@ def converse(asking: Asking, sample: Sample) -> dict:
         history = [*history, *messages]
         payload = {**asking.body, "messages": history, "seed": sample_seed(asking.seed, sample.id, turn)}
         try:
-            answer = chat_completion(asking.url, payload, asking.timeout, asking.retries)
+            answer = chat_completion(asking.url, payload, asking.timeout, asking.retries, asking.key_env)
         except Refused as refusal:
             return rejected(sample, f"turn {turn + 1}: the server refused it: {refusal}")
         if not answer.text.strip():
@@ -294,7 +302,8 @@ def ask_openai(cfg: DictConfig, samples: list[Sample], model: str, log: WorkLog,
     """`concurrency` samples in flight (twice that queued); each finished one goes to the work log at once."""
     body = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
             **plain_config(cfg.extra_body)}
-    asking = Asking(cfg.server_url.rstrip("/"), body, cfg.seed, cfg.request_timeout_s, cfg.retries)
+    asking = Asking(cfg.server_url.rstrip("/"), body, cfg.seed, cfg.request_timeout_s, cfg.retries,
+                    cfg.api_key_env)
     queue = iter(samples)
     with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
         running: set = set()

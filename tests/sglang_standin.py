@@ -15,6 +15,8 @@ there as JSON at start and after every request.
 Test-only flags: `--standin-fail MESSAGE` (print it, exit 1 at startup), `--standin-ignore-sigterm`,
 `--standin-spawn-child` (a sleeping child in the same process group, as SGLang's scheduler processes are),
 `--standin-crash-after N` (exit 3 on the generate request after the first N).
+`--api-key KEY`, as SGLang's: every route but /health answers 401 without `Authorization: Bearer KEY` (counted in
+the record's `unauthorized`).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--mem-fraction-static", type=float)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key")
     parser.add_argument("--standin-accept", type=float, default=2.0)
     parser.add_argument("--standin-startup-delay", type=float, default=0.0)
     parser.add_argument("--standin-fail")
@@ -59,7 +62,7 @@ class State:
         self.ready_at = time.monotonic() + args.standin_startup_delay
         self.lock = threading.Lock()
         self.record = {"argv": argv, "executable": sys.executable, "module_file": __file__, "pid": os.getpid(),
-                       "child_pid": None, "flush_cache": 0, "generate": []}
+                       "child_pid": None, "flush_cache": 0, "generate": [], "unauthorized": 0}
 
     def note(self, key: str, text: str | None = None) -> None:
         """Count a flush or keep a generate request's text, then save the record."""
@@ -99,7 +102,18 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def _refused(self) -> bool:
+            """SGLang's middleware with --api-key: /health is open, everything else wants the bearer token."""
+            key = state.args.api_key
+            if not key or self.path.startswith("/health") or self.headers.get("Authorization") == f"Bearer {key}":
+                return False
+            state.note("unauthorized")
+            self._send(401, {"error": "Unauthorized"})
+            return True
+
         def do_GET(self) -> None:
+            if self._refused():
+                return
             if self.path == "/health":
                 self._send(200 if time.monotonic() >= state.ready_at else 503)
             elif self.path == "/get_server_info":
@@ -109,6 +123,8 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self._refused():
+                return
             if self.path == "/flush_cache":
                 state.note("flush_cache")
                 self._send(200)

@@ -18,17 +18,11 @@ from pathlib import Path
 import pytest
 
 from stages import regenerate
-from stages.common.engine_process import ServerProcess
 from stages.common.errors import RegraftError
-from stages.common.runtime import free_port
 from stages.common.stage import compose_stage
-from stages.common.vllm_engine import VllmConfig, engine_available
+from tests.servers import HOST, MAX_MODEL_LEN, REPO, needs_engine, reply, vllm_server
 
-REPO = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
-MAX_MODEL_LEN = 256  # the server's and the offline engine's, so a long prompt is refused by both
 MAX_TOKENS = 24
-NO_ENGINE = "engine: runs vLLM from .venv-vllm, which is missing (make venv-vllm)"
 
 USERS = "alpha bravo charlie kilo lima mike".split()
 
@@ -43,13 +37,6 @@ def chat_lines() -> list[dict]:
                          {"role": "assistant", "content": "the old answer"}]
         lines.append({"id": f"chat-{i}", "messages": messages} if i % 5 == 0 else {"messages": messages})
     return lines + [dict(lines[3])]
-
-
-def needs_engine(test):
-    """slow and engine, and skipped with the reason where the engine venv is missing."""
-    for mark in (pytest.mark.slow, pytest.mark.engine, pytest.mark.skipif(not engine_available(), reason=NO_ENGINE)):
-        test = mark(test)
-    return test
 
 
 def write_lines(path: Path, lines: list[dict]) -> Path:
@@ -73,17 +60,8 @@ def ids_in(out: Path, name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server_url(engine_target, tmp_path_factory):
-    if not engine_available():
-        pytest.skip(NO_ENGINE)
-    port = free_port(HOST)
-    command = [str(REPO / VllmConfig().python), "-m", "vllm.entrypoints.openai.api_server", "--model",
-               str(engine_target), "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.1",
-               "--max-model-len", str(MAX_MODEL_LEN), "--host", HOST, "--port", str(port)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with ServerProcess("vLLM server", command, f"http://{HOST}:{port}", log, settings="vllm",
-                       startup_timeout_s=600, request_timeout_s=30, stop_grace_s=10, env=env) as server:
-        yield server.url
+    with vllm_server(engine_target, tmp_path_factory.mktemp("server") / "server.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +95,7 @@ class Recorder(BaseHTTPRequestHandler):
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as answer:
             payload, status = answer.read(), answer.status
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        reply(self, status, payload)
 
     def log_message(self, *args) -> None:
         pass

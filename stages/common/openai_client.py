@@ -1,11 +1,13 @@
 """A client for any OpenAI-compatible chat server (vLLM's `vllm serve`, SGLang's `launch_server`, ...):
 `GET /v1/models` and `POST /v1/chat/completions`, standard library only, safe to call from many threads.
 
-Two kinds of failure, kept apart because a caller treats them differently:
-- the server refuses the request itself (HTTP 4xx other than 408/429: a prompt past its context length, a message
-  it cannot render): `Refused`, carrying the server's own message, for the caller to record against that request;
+Three kinds of failure, kept apart because a caller treats them differently:
+- the server refuses the request itself (HTTP 4xx other than 401/403/408/429: a prompt past its context length, a
+  message it cannot render): `Refused`, carrying the server's own message, for the caller to record against it;
 - the server cannot answer (connection refused or reset, timeout, 5xx, 408, 429): retried `retries` times with a
-  doubling pause, then one RegraftError, so a dead server stops the caller instead of refusing everything.
+  doubling pause, then one RegraftError, so a dead server stops the caller instead of refusing everything;
+- the server refuses the key (HTTP 401/403, from a server run with `--api-key`): one RegraftError at once, naming the
+  variable, never retried (stages/common/credentials.py: the key comes from the variable `key_env` names).
 
     answer = chat_completion(url, {"model": "m", "messages": [...], "max_tokens": 16}, timeout=60, retries=3)
 """
@@ -18,6 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from stages.common.credentials import DEFAULT_KEY_ENV, UNAUTHORIZED, authorize, refused_key
 from stages.common.errors import RegraftError
 
 RETRY_PAUSE_S = 1.0  # the first pause between tries; it doubles each time
@@ -41,27 +44,31 @@ class Refused(Exception):
 
 
 def error_message(raw: bytes) -> str:
-    """The message of an OpenAI-style error body ({"error": {"message": ...}} or {"message": ...}), on one line."""
+    """The message of an error body ({"error": {"message": ...}}, {"message": ...} or {"error": "..."}) on one line."""
     try:
         body = json.loads(raw)
-        inner = body.get("error") if isinstance(body.get("error"), dict) else body
-        text = str(inner.get("message") or body)
+        error = body.get("error")
+        inner = error if isinstance(error, dict) else body
+        text = str(inner.get("message") or (error if isinstance(error, str) else body))
     except (ValueError, AttributeError):
         text = raw.decode(errors="replace")
     return " ".join(text.split())[:500]
 
 
-def request_json(url: str, payload: dict | None, timeout: float, retries: int) -> dict:
+def request_json(url: str, payload: dict | None, timeout: float, retries: int,
+                 key_env: str = DEFAULT_KEY_ENV) -> dict:
     """GET (no payload) or POST JSON, the answer parsed; see the module docstring for the failures."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
-                                     headers={"Content-Type": "application/json"})
+    request = authorize(urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
+                                               headers={"Content-Type": "application/json"}), key_env)
     for attempt in range(retries + 1):
         try:
             with urllib.request.urlopen(request, timeout=timeout) as answer:
                 return json.loads(answer.read())
         except urllib.error.HTTPError as exc:
             message = error_message(exc.read())
+            if exc.code in UNAUTHORIZED:
+                raise refused_key(key_env, url, exc.code, message) from None
             if exc.code < 500 and exc.code not in TRANSIENT_STATUS:
                 raise Refused(exc.code, message) from None
             problem = f"HTTP {exc.code}: {message}"
@@ -73,10 +80,10 @@ def request_json(url: str, payload: dict | None, timeout: float, retries: int) -
                        "check that the server runs and read its log; raise the request timeout if it is slow")
 
 
-def served_models(url: str, timeout: float, retries: int = 0) -> list[str]:
+def served_models(url: str, timeout: float, retries: int = 0, key_env: str = DEFAULT_KEY_ENV) -> list[str]:
     """The model names `GET /v1/models` lists."""
     try:
-        listed = request_json(f"{url}/v1/models", None, timeout, retries)
+        listed = request_json(f"{url}/v1/models", None, timeout, retries, key_env)
         return [str(model["id"]) for model in listed["data"]]
     except Refused as exc:
         raise RegraftError(f"{url}/v1/models", f"refused ({exc})", "point server_url at an OpenAI-compatible "
@@ -86,9 +93,10 @@ def served_models(url: str, timeout: float, retries: int = 0) -> list[str]:
                            "point server_url at an OpenAI-compatible server (http://host:port, no /v1)") from None
 
 
-def chat_completion(url: str, payload: dict, timeout: float, retries: int) -> ChatAnswer:
+def chat_completion(url: str, payload: dict, timeout: float, retries: int,
+                    key_env: str = DEFAULT_KEY_ENV) -> ChatAnswer:
     """One `POST /v1/chat/completions` (non-streaming); `Refused` when the server rejects the request."""
-    answer = request_json(f"{url}/v1/chat/completions", payload, timeout, retries)
+    answer = request_json(f"{url}/v1/chat/completions", payload, timeout, retries, key_env)
     try:
         choice = answer["choices"][0]
         message = choice["message"]

@@ -8,7 +8,8 @@ it from SGLang's `meta_info` (`completion_tokens`, `spec_verify_ct`), greedy, ca
 
 The server is started as `python -m sglang.launch_server ... --speculative-algorithm EAGLE3 ...` in its own process
 group, its output kept in a log file, and the whole group stopped afterwards; or `server_url` names one already
-running. The client uses the standard library only.
+running. The client uses the standard library only; a server run with `--api-key` gets the key from the variable
+`api_key_env` names as a bearer token (stages/common/credentials.py), and a refused key ends the probe at once.
 
     rows = run_sglang(SglangConfig(), target=..., drafter=..., conversations=[["Hi"]], render=..., ...)
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from stages.common.credentials import DEFAULT_KEY_ENV, UNAUTHORIZED, authorize, refuse_secrets, refused_key
 from stages.common.drafter_config import CONVENTIONS, INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
 from stages.common.engine_process import ServerProcess
 from stages.common.errors import RegraftError
@@ -33,6 +35,8 @@ class SglangConfig:
     python: str = "python"  # interpreter that has sglang installed
     launch_module: str = "sglang.launch_server"  # run as `python -m MODULE` (tests: tests.sglang_standin)
     server_url: str | None = None  # use this running server (http://host:port); nothing is started or stopped
+    api_key_env: str = DEFAULT_KEY_ENV  # the environment variable holding server_url's --api-key (if it has one)
+    api_key: str | None = None  # never set: refused (a setting is written to .hydra/, manifests, MLflow)
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port
     tp: int = 1  # tensor-parallel size (--tp-size)
@@ -87,14 +91,17 @@ class SglangServer(ServerProcess):
         self.cfg = cfg
 
 
-def _post(url: str, payload: dict | None, timeout: float) -> bytes:
+def _post(url: str, payload: dict | None, timeout: float, key_env: str = DEFAULT_KEY_ENV) -> bytes:
     data = b"" if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    request = authorize(urllib.request.Request(url, data=data, method="POST",
+                                               headers={"Content-Type": "application/json"}), key_env)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             return answer.read()
     except urllib.error.HTTPError as exc:
         body = " ".join(exc.read().decode(errors="replace").split())[:300]
+        if exc.code in UNAUTHORIZED:
+            raise refused_key(key_env, url, exc.code, body) from None
         raise RegraftError(url, f"HTTP {exc.code}: {body}", "read the server log") from exc
     except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
         reason = getattr(exc, "reason", exc)
@@ -102,11 +109,12 @@ def _post(url: str, payload: dict | None, timeout: float) -> bytes:
                            "check that the server runs; raise sglang.request_timeout_s if it timed out") from exc
 
 
-def generate(url: str, text: str, max_new_tokens: int, timeout: float) -> dict[str, Any]:
+def generate(url: str, text: str, max_new_tokens: int, timeout: float,
+             key_env: str = DEFAULT_KEY_ENV) -> dict[str, Any]:
     """POST /generate greedily; returns `text`, `completion_tokens`, `spec_verify_ct` (and `prompt_tokens`)."""
     where = f"{url}/generate"
     raw = _post(where, {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}},
-                timeout)
+                timeout, key_env)
     try:
         answer = json.loads(raw)
         meta = answer["meta_info"]
@@ -123,24 +131,26 @@ def generate(url: str, text: str, max_new_tokens: int, timeout: float) -> dict[s
     return out
 
 
-def flush_cache(url: str, timeout: float = 60.0) -> None:
+def flush_cache(url: str, timeout: float = 60.0, key_env: str = DEFAULT_KEY_ENV) -> None:
     """POST /flush_cache; SGLang refuses (400) while requests run."""
-    _post(f"{url}/flush_cache", None, timeout)
+    _post(f"{url}/flush_cache", None, timeout, key_env)
 
 
 def run_sglang(cfg: SglangConfig, *, target: str, drafter: str, conversations: list[list[str]],
                render: Callable[[list[dict]], str], max_new_tokens: int, num_steps: int, topk: int,
                num_draft_tokens: int, log_path: Path) -> list[dict]:
     """Every turn of every conversation through one server (started here unless `cfg.server_url`); one row each."""
+    refuse_secrets(cfg, "sglang")
     command = None
     if not cfg.server_url:
         port = cfg.port or free_port(cfg.host)
         command = server_command(cfg, target, drafter, num_steps, topk, num_draft_tokens, port)
     with SglangServer(cfg, command, log_path) as server:
         try:
-            flush_cache(server.url, cfg.request_timeout_s)
+            flush_cache(server.url, cfg.request_timeout_s, cfg.api_key_env)
             return [row for index, turns in enumerate(conversations) for row in
-                    _conversation(server.url, index, turns, render, max_new_tokens, cfg.request_timeout_s)]
+                    _conversation(server.url, index, turns, render, max_new_tokens, cfg.request_timeout_s,
+                                  cfg.api_key_env)]
         except RegraftError:
             # a crash explains the failed request better; its socket closes a moment before it can be reaped
             server.raise_if_exited("during the probe", wait_s=1.0)
@@ -148,14 +158,14 @@ def run_sglang(cfg: SglangConfig, *, target: str, drafter: str, conversations: l
 
 
 def _conversation(url: str, index: int, turns: list[str], render: Callable[[list[dict]], str],
-                  max_new_tokens: int, timeout: float) -> Iterator[dict]:
+                  max_new_tokens: int, timeout: float, key_env: str) -> Iterator[dict]:
     """Each turn sees the earlier turns with the answers generated for them, as SGLang's MT-Bench benchmark does."""
     messages: list[dict] = []
     for turn, user in enumerate(turns):
         messages.append({"role": "user", "content": user})
         text = render([dict(m) for m in messages])
         start = time.perf_counter()
-        out = generate(url, text, max_new_tokens, timeout)
+        out = generate(url, text, max_new_tokens, timeout, key_env)
         seconds = time.perf_counter() - start
         messages.append({"role": "assistant", "content": out["text"]})
         yield {"conversation": index, "turn": turn, "prompt_tokens": out.get("prompt_tokens", -1),
