@@ -20,6 +20,17 @@ from stages.common.stage import compose_stage  # noqa: E402
 from stages.common.vocab import VocabMap  # noqa: E402
 from stages.world import toy  # noqa: E402
 
+def pytest_collection_modifyitems(config, items):
+    """`long` tests run only when a -m expression names them, so `-m "not slow"` and `-m engine` still leave them
+    out (an -m in addopts would be replaced by the command line's)."""
+    if "long" in (config.getoption("markexpr") or ""):
+        return
+    long = [item for item in items if item.get_closest_marker("long")]
+    if long:
+        config.hook.pytest_deselected(items=long)
+        items[:] = [item for item in items if not item.get_closest_marker("long")]
+
+
 USER_WORDS = "alpha bravo charlie kilo lima mike"
 ASSISTANT_WORDS = "zulu yankee xray whiskey victor uniform"
 
