@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 import pipelines.regraft  # noqa: F401  (registers every schema)
 from stages.common.stage import CONF_DIR, compose_stage
 
-GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")  # hydra/: Hydra's own
 
 
 def compose_root(overrides: list[str]):
@@ -53,6 +53,15 @@ def test_the_real_case_example_composes():
     cfg = compose_root(["experiment=kimi_k25"])
     assert cfg.vocab_map.draft_vocab_size == 32000 and cfg.finetune.deepspeed.zero_stage == 2
     assert cfg.probe.backend.value == "sglang" and cfg.probe.sglang.tp == 8 and cfg.source.build is None
+
+
+def test_what_one_stage_takes_from_another_follows_it():
+    cfg = compose_root(["finetune.loss_mask=specforge", "finetune.ttt_steps=4", "finetune.max_length=64",
+                        "data.prompts=/p.jsonl"])
+    assert (cfg.diagnose.loss_mask.value, cfg.diagnose.ttt_steps) == ("specforge", 4)
+    assert cfg.features.max_length == 64 and cfg.probe.prompts == "/p.jsonl"
+    real = compose_root(["experiment=kimi_k25"])  # scale=null: the stage defaults, not the toy world's sizes
+    assert (real.finetune.lr, real.finetune.log_every, real.features.max_length) == (1e-4, 10, 2048)
 
 
 def test_deepspeed_presets_set_the_finetune_engine():
