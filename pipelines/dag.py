@@ -35,9 +35,6 @@ PART = re.compile(r"(_[0-9]+)?(#[0-9]+)?$")
 def base_name(name: str) -> str:
     """What a node is, without its part or sweep-member suffix: `features_3#2` -> `features`."""
     return PART.sub("", name)
-PHASES = {"world": "setup", "source_map": "setup", "source_drafter": "setup", "regenerate": "prep", "diagnose": "prep", "probe": "0",
-          "vocab_map": "prep", "compare": "prep", "remap": "prep", "features": "prep", "finetune": "1", "evaluate": "1",
-          "baseline_finetune": "baseline", "baseline_evaluate": "baseline"}
 
 
 @dataclass
@@ -45,10 +42,7 @@ class Node:
     name: str  # unique in the DAG (finetune, baseline_finetune, ...)
     stage: str  # the module under stages/
     config: DictConfig  # the stage's config; inputs as @references, `out` filled in at dispatch
-
-    @property
-    def phase(self) -> str:
-        return PHASES.get(base_name(self.name), "race")  # a race's rung nodes are named by their candidates
+    phase: str  # what it is for: setup, prep, 0 (the source as it is), 1 (the fine-tune), baseline, race
 
     @property
     def upstream(self) -> list[str]:
@@ -97,6 +91,30 @@ def finetune_drafter(init: str, source: str) -> str | None:
     return {"remap": "@remap", "realign": "@diagnose/realigned", "as_is": source, "scratch": None}[init]
 
 
+def finetune_node(cfg: DictConfig, name: str, init: str, phase: str, **settings: Any) -> Node:
+    """A fine-tune of the new target's drafter from `init`, on the cached features (pipeline.offline) or the data;
+    `settings` on top of cfg.finetune (a race's lr and stop). The pipeline's fine-tunes and every race rung."""
+    training = {"features": "@features", "data": None} if cfg.pipeline.offline else {"data": training_data(cfg)}
+    config = wired(cfg.finetune, target=cfg.target.path, vocab_map="@vocab_map",
+                   drafter=finetune_drafter(init, cfg.source.path), **training)
+    config.merge_with({"init": init, **settings})
+    if init == "scratch":
+        config.drafter = None
+    if cfg.pipeline.offline:
+        config.data = None
+    return Node(name, "finetune", config, phase)
+
+
+def evaluate_node(cfg: DictConfig, name: str, drafter: str, phase: str) -> Node:
+    """A drafter measured on the new target exactly as phase 0 measures the source one: the probe stage, its settings."""
+    return Node(name, "probe", wired(cfg.probe, target=cfg.target.path, drafter=drafter), phase)
+
+
+def training_data(cfg: DictConfig) -> str:
+    """What everything that trains reads: the new target's own answers under pipeline.regenerate, else data.train."""
+    return "@regenerate/regenerated.jsonl" if cfg.pipeline.regenerate else cfg.data.train
+
+
 def source_nodes(build: DictConfig) -> list[Node]:
     """The built-in source drafter, made by regraft's own stages: a draft vocab counted on target A's data, then a
     from-scratch fine-tune on target A (stage defaults plus `source.build`, never the pipeline's finetune options)."""
@@ -107,69 +125,71 @@ def source_nodes(build: DictConfig) -> list[Node]:
                         "max_steps": build.steps, "epochs": build.steps,  # max_steps ends it, epoch ends validate
                         "micro_batch_size": build.micro_batch_size, "max_length": build.max_length,
                         "val_fraction": build.val_fraction, "checkpoint_every": build.steps})
-    return [Node("source_map", "vocab_map", counted), Node("source_drafter", "finetune", trained)]
+    return [Node("source_map", "vocab_map", counted, "setup"), Node("source_drafter", "finetune", trained, "setup")]
+
+
+# The fine-tunes a run makes, each measured as phase 0 is: (train node, evaluate node, phase); the init of the
+# first is finetune.init's, the baseline's is scratch
+PHASE1 = ("finetune", "evaluate", "1")
+BASELINE = ("baseline_finetune", "baseline_evaluate", "baseline")
 
 
 def build_nodes(cfg: DictConfig) -> list[Node]:
     """The pipeline's nodes in a topological order, only those `cfg.pipeline` switches on."""
-    target, source, data = cfg.target.path, cfg.source.path, cfg.data.train
-    nodes = [Node("world", "world", OmegaConf.create(OmegaConf.to_container(cfg.world, resolve=True, enum_to_str=True)))]
+    target, source, data = cfg.target.path, cfg.source.path, training_data(cfg)
+    world = OmegaConf.create(OmegaConf.to_container(cfg.world, resolve=True, enum_to_str=True))
+    nodes = [Node("world", "world", world, "setup")]
     if cfg.source.build is not None:
         nodes += source_nodes(cfg.source.build)
     if cfg.pipeline.regenerate:  # the new target's own answers replace the data's for everything that trains
-        nodes += data_parallel("regenerate", wired(cfg.regenerate, target=target, data=data))
-        data = "@regenerate/regenerated.jsonl"
+        nodes += data_parallel("regenerate", wired(cfg.regenerate, target=target, data=cfg.data.train), "prep")
     if cfg.pipeline.probe:
-        nodes.append(Node("probe", "probe", wired(cfg.probe, target=target, drafter=source)))
-    nodes += data_parallel("vocab_map", wired(cfg.vocab_map, tokenizer=target, data=data))
-    nodes.append(Node("compare", "compare", wired(cfg.compare, a=source, b="@vocab_map")))
-    nodes.append(Node("remap", "remap", wired(cfg.remap, drafter=source, vocab_map="@vocab_map", verifier=target)))
+        nodes.append(evaluate_node(cfg, "probe", source, "0"))
+    nodes += data_parallel("vocab_map", wired(cfg.vocab_map, tokenizer=target, data=data), "prep")
+    nodes.append(Node("compare", "compare", wired(cfg.compare, a=source, b="@vocab_map"), "prep"))
+    nodes.append(Node("remap", "remap", wired(cfg.remap, drafter=source, vocab_map="@vocab_map", verifier=target),
+                      "prep"))
     init = OmegaConf.to_container(cfg.finetune, enum_to_str=True)["init"]
     if cfg.pipeline.diagnose or init == "realign":  # realign's drafter is the one diagnose re-aligns
         built_here = cfg.source.build is not None and str(source).startswith("@source_drafter")
         old_target = cfg.source.target or (cfg.source.build.target if built_here else None)
         nodes.append(Node("diagnose", "diagnose", wired(cfg.diagnose, drafter="@remap", target=target, data=data,
-                                                        target_a=old_target, vocab_map="@vocab_map")))
-    training = {"data": data}
+                                                        target_a=old_target, vocab_map="@vocab_map"), "prep"))
     if cfg.pipeline.offline:
-        nodes += data_parallel("features", wired(cfg.features, target=target, data=data, drafter=source))
-        training = {"features": "@features", "data": None}
-    runs = [("finetune", "evaluate", init)]
-    if cfg.pipeline.baseline:
-        runs.append(("baseline_finetune", "baseline_evaluate", "scratch"))
-    for train_name, eval_name, init in runs:
-        finetune = wired(cfg.finetune, target=target, vocab_map="@vocab_map",
-                         drafter=finetune_drafter(init, source), **training)
-        finetune.init = init
-        if init == "scratch":
-            finetune.drafter = None
-        if cfg.pipeline.offline:
-            finetune.data = None
-        nodes.append(Node(train_name, "finetune", finetune))
+        nodes += data_parallel("features", wired(cfg.features, target=target, data=data, drafter=source), "prep")
+    runs = [(*PHASE1, init)] + ([(*BASELINE, "scratch")] if cfg.pipeline.baseline else [])
+    for train_name, eval_name, phase, run_init in runs:
+        nodes.append(finetune_node(cfg, train_name, run_init, phase))
         if cfg.pipeline.evaluate:  # phase 1 is measured exactly as phase 0, by the same stage and settings
-            nodes.append(Node(eval_name, "probe", wired(cfg.probe, target=target, drafter=f"@{train_name}")))
+            nodes.append(evaluate_node(cfg, eval_name, f"@{train_name}", phase))
     for node in nodes:
-        if "trust_remote_code" in node.config and not node.name.startswith("source_"):
-            node.config.trust_remote_code = node.config.trust_remote_code or cfg.target.trust_remote_code
-        for key in ("target_name", "verifier_name"):  # the nodes that record the new target in a drafter
-            if key in node.config and not node.name.startswith("source_"):
-                node.config[key] = cfg.target.name
+        if node.phase != "setup":
+            mark_new_target(node, cfg.target)
     return without_unused_setup(nodes)
 
 
-def data_parallel(name: str, config: DictConfig) -> list[Node]:
+def mark_new_target(node: Node, target: DictConfig) -> None:
+    """Every node past setup runs on the new target: its remote code, and its name in the drafters they write."""
+    if "trust_remote_code" in node.config:
+        node.config.trust_remote_code = node.config.trust_remote_code or target.trust_remote_code
+    for key in ("target_name", "verifier_name"):
+        if key in node.config:
+            node.config[key] = target.name
+
+
+def data_parallel(name: str, config: DictConfig, phase: str) -> list[Node]:
     """One node, or `shards` part nodes (`name_0`, ...: each a job and a complete cached output of its own) and the
     node that joins them (`name`, reading the parts in order), which is what downstream nodes read."""
     if config.shards == 1:
-        return [Node(name, name, config)]
+        return [Node(name, name, config, phase)]
     parts = []
     for shard in range(config.shards):
         part = config.copy()
         part.shard = shard
-        parts.append(Node(f"{name}_{shard}", name, part))
+        parts.append(Node(f"{name}_{shard}", name, part, phase))
     join = config.copy()
     join.parts = [f"@{part.name}" for part in parts]
-    return [*parts, Node(name, name, join)]
+    return [*parts, Node(name, name, join, phase)]
 
 
 SETUP = ("world", "source_map", "source_drafter")  # built only when a later node reads them

@@ -27,7 +27,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.cache import CacheCheck, keys_for
-from pipelines.dag import Node, build_nodes, finetune_drafter, wired
+from pipelines.dag import Node, build_nodes, finetune_node
 from pipelines.runner import NodeResult, run_dag
 
 
@@ -87,17 +87,10 @@ def base_nodes(cfg: DictConfig) -> list[Node]:
 
 
 def rung_node(cfg: DictConfig, candidate: Candidate, stop_at: int | None, checkpoints: str | None) -> Node:
-    training = {"features": "@features", "data": None} if cfg.pipeline.offline else {"data": cfg.data.train}
-    config = wired(cfg.finetune, target=cfg.target.path, vocab_map="@vocab_map",
-                   drafter=finetune_drafter(candidate.init, cfg.source.path), **training)
-    config.merge_with({"init": candidate.init, "lr": candidate.lr, "max_steps": cfg.race.budget_steps,
-                       "epochs": 10 ** 6, "stop_at": stop_at, "checkpoint_dir": checkpoints,
-                       "checkpoint_every": cfg.race.budget_steps})
-    if candidate.init == "scratch":
-        config.drafter = None
-    if cfg.pipeline.offline:
-        config.data = None
-    return Node(candidate.name if stop_at is None else f"{candidate.name}_step{stop_at}", "finetune", config)
+    name = candidate.name if stop_at is None else f"{candidate.name}_step{stop_at}"
+    return finetune_node(cfg, name, candidate.init, "race", lr=candidate.lr, max_steps=cfg.race.budget_steps,
+                         epochs=10 ** 6, stop_at=stop_at, checkpoint_dir=checkpoints,
+                         checkpoint_every=cfg.race.budget_steps)
 
 
 def checkpoint_folder(cfg: DictConfig, base: list[Node], candidate: Candidate) -> str:

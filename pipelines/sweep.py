@@ -81,7 +81,7 @@ def union(members: list[Member]) -> tuple[list[Node], dict[tuple[int, str], str]
                 name = node.name if all(n.name != node.name for n in nodes) else f"{node.name}#{member.num}"
                 config = substitute(node.config, lambda up, sub, m=member.num: f"@{names[(m, up)]}"
                                     + (f"/{sub}" if sub else ""))
-                nodes.append(Node(name, node.stage, config))
+                nodes.append(Node(name, node.stage, config, node.phase))
                 by_key[key] = name
             names[(member.num, node.name)] = by_key[key]
     return nodes, names

@@ -115,7 +115,7 @@ def test_an_engine_run_records_the_engine_venvs_versions_and_a_hit_is_held_again
     transformers) beside this venv's; faked older engine versions make the next run's hit say which."""
     config = compose_stage("features", [f"target={engine_target}", f"data={chats}", "max_length=48",
                                         "rows_per_shard=16", "backend=vllm"])
-    node = Node("features", "features", OmegaConf.create(OmegaConf.to_container(config)))
+    node = Node("features", "features", OmegaConf.create(OmegaConf.to_container(config)), "prep")
     launcher = InlineLauncher(OmegaConf.create({"name": "inline"}), tmp_path / "jobs")
     run = lambda: run_dag([node], tmp_path / "cache", launcher, None, Console(quiet=True))["features"]  # noqa: E731
     first = run()

@@ -22,7 +22,7 @@ def composed(*overrides: str):
 
 
 def node(name: str, stage: str, **config) -> Node:
-    return Node(name, stage, OmegaConf.create(config))
+    return Node(name, stage, OmegaConf.create(config), "prep")
 
 
 def launcher(**cfg) -> SlurmLauncher:
@@ -61,7 +61,7 @@ def test_the_shipped_slurm_settings_give_a_race_with_two_ranks_two_tasks_a_rung(
     assert slurm.tasks(nodes["source_drafter"]) == 1  # one rank whatever finetune.nproc says: its own config
     slurm.check(nodes["source_drafter"], OmegaConf.to_container(nodes["source_drafter"].config, resolve=True))
     assert slurm.resources(nodes["source_drafter"])["timeout_min"] == slurm.resources(nodes["finetune"])["timeout_min"]
-    evaluate = Node("race_scratch_lr0.001_evaluate", "probe", cfg.probe)
+    evaluate = Node("race_scratch_lr0.001_evaluate", "probe", cfg.probe, "race")
     assert slurm.resources(evaluate) == slurm.resources(nodes["probe"])
 
 

@@ -427,16 +427,16 @@ def test_ranks_must_match_the_stages_nproc():
     """The rank count sets the global batch, so it comes from the stage config (its cache key), not the launcher."""
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         root = compose("config", overrides=["launcher=slurm", "finetune.nproc=4", "finetune.nodes=2"])
-    resources = SlurmLauncher(root.launcher, Path("unused")).resources(Node("finetune", "finetune", root.finetune))
+    resources = SlurmLauncher(root.launcher, Path("unused")).resources(Node("finetune", "finetune", root.finetune, "1"))
     assert resources["tasks_per_node"] == resources["gpus_per_node"] == 4 and resources["nodes"] == 2
     cfg = OmegaConf.create({"name": "slurm", "poll_s": 1.0, "resources": {"tasks_per_node": 1},
                             "per_stage": {"finetune": {"tasks_per_node": 2}}})
     launcher = SlurmLauncher(cfg, Path("unused"))
-    node = Node("finetune", "finetune", OmegaConf.create({"nproc": 1}))
+    node = Node("finetune", "finetune", OmegaConf.create({"nproc": 1}), "1")
     says = r"finetune would run as 1 node\(s\) x 2 Slurm tasks .* \(fix: set finetune.nodes=1 finetune.nproc=2\)"
     with pytest.raises(RegraftError, match=says):
         launcher.submit(node, OmegaConf.create({"nproc": 1, "out": "x"}), [])
-    vocab = Node("vocab_map", "vocab_map", OmegaConf.create({}))
+    vocab = Node("vocab_map", "vocab_map", OmegaConf.create({}), "prep")
     launcher.cfg.per_stage["vocab_map"] = {"tasks_per_node": 2}
     with pytest.raises(RegraftError, match=r"fix: set launcher.per_stage.vocab_map.tasks_per_node=1"):
         launcher.submit(vocab, OmegaConf.create({"out": "x"}), [])

@@ -100,8 +100,8 @@ def artifact_files(client, run_id: str, path: str | None = None) -> list[str]:
 def nodes_and_outputs(tmp_path: Path) -> dict:
     finetune = finetune_output(tmp_path / "cache" / "finetune" / "aaaa")
     probe = probe_output(tmp_path / "cache" / "probe" / "bbbb")
-    return {"finetune": (Node("finetune", "finetune", OmegaConf.create({})), "aaaa", finetune),
-            "evaluate": (Node("evaluate", "probe", OmegaConf.create({})), "bbbb", probe)}
+    return {"finetune": (Node("finetune", "finetune", OmegaConf.create({}), "1"), "aaaa", finetune),
+            "evaluate": (Node("evaluate", "probe", OmegaConf.create({}), "1"), "bbbb", probe)}
 
 
 def test_metric_names_tags_and_no_second_upload_on_a_cache_hit(tmp_path):
@@ -184,7 +184,7 @@ def test_a_hit_in_a_new_store_uploads_once_and_a_scratch_member_says_phase1_is_s
     finetune = finetune_output(tmp_path / "cache" / "finetune" / "cccc")
     ids = {}
     for name in ("finetune", "baseline_finetune"):
-        ids[name] = tracker.start_stage(Node(name, "finetune", OmegaConf.create({})), "cccc", OmegaConf.create({}),
+        ids[name] = tracker.start_stage(Node(name, "finetune", OmegaConf.create({}), "1"), "cccc", OmegaConf.create({}),
                                         False)
         tracker.finish_stage(ids[name], finetune if name == "finetune" else hit(finetune))
     summary = summary_of({"finetune": ("finetune", "cccc", False), "baseline_finetune": ("finetune", "cccc", True)},
