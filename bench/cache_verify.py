@@ -3,7 +3,7 @@ outputs of a run.
 
     .venv/bin/python bench/cache_verify.py                  # the newest run under outputs/runs (`make run` first)
     .venv/bin/python bench/cache_verify.py --run DIR        # a given run folder
-    .venv/bin/python bench/cache_verify.py --readme         # and write README.md's cache-verify block
+    .venv/bin/python bench/cache_verify.py --write          # and its cache-verify block (docs/results.md)
 
 For each stage output of the run: its files and bytes, then the wall time of `size` (a stat per file) and `hash`
 (every file's sha256) checks, best of 3 (the files are in the page cache after the first read: a cold disk reads
@@ -89,17 +89,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, help="a run folder with summary.json (default: the newest run)")
     parser.add_argument("--outputs", type=Path, default=ROOT / "outputs")
-    parser.add_argument("--readme", action="store_true", help="write the table into README.md's block")
+    parser.add_argument("--write", "--readme", action="store_true",
+                        help="write the table into its figures block (README.md or docs/, wherever it stands)")
     args = parser.parse_args()
     run = args.run or newest_run(args.outputs)
     block = table(run, rows_of(run), sha256_gb_s())
     print(block)
-    if args.readme:
-        from figures import render  # bench/figures.py, beside this file
+    if args.write:
+        from figures import write_blocks, written  # bench/figures.py, beside this file
 
-        readme = ROOT / "README.md"
-        readme.write_text(render(readme.read_text(), {"cache-verify": block}))
-        print(f"{readme}: the cache-verify block written")
+        changed = write_blocks({"cache-verify": f"{block}\n{written('bench/cache_verify.py --write')}.\n"})
+        print("figures:cache-verify: " + (f"{changed[0].relative_to(ROOT)} written" if changed else "unchanged"))
     return 0
 
 

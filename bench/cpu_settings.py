@@ -1,7 +1,7 @@
 """What each CPU reproducibility setting costs, and whether it changes the numbers (stages/common/runtime.py).
 
     .venv/bin/python bench/cpu_settings.py              # every row, about 2 minutes on 2 cores
-    .venv/bin/python bench/cpu_settings.py --readme     # and write them into README.md's cpu-settings block
+    .venv/bin/python bench/cpu_settings.py --write      # and into the cpu-settings block (docs/results.md)
 
 Each row runs in a fresh interpreter (the settings are read at a process's first torch op) on 1 thread: the default
 world's target (hidden 128, 4 layers, vocab 4,096) takes training steps on 4 x 256 tokens (AdamW, as
@@ -89,7 +89,8 @@ def one() -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--readme", action="store_true", help="write the table into README.md's block")
+    parser.add_argument("--write", "--readme", action="store_true",
+                        help="write the table into its figures block (README.md or docs/, wherever it stands)")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -109,12 +110,12 @@ def main() -> int:
                      f"({row['generate_ms'] / first['generate_ms']:.2f}x) | `{row['weights']}` |")
     table = "\n".join(lines) + "\n"
     print(table, end="")
-    if args.readme:
-        from figures import render  # bench/figures.py, beside this file
+    if args.write:
+        from figures import write_blocks, written  # bench/figures.py, beside this file
 
-        readme = ROOT / "README.md"
-        readme.write_text(render(readme.read_text(), {"cpu-settings": table}))
-        print(f"{readme}: the cpu-settings block written")
+        block = f"{table}\n{written('bench/cpu_settings.py --write')}; 1 thread, best of 3.\n"
+        changed = write_blocks({"cpu-settings": block})
+        print("figures:cpu-settings: " + (f"{changed[0].relative_to(ROOT)} written" if changed else "unchanged"))
     return 0
 
 

@@ -1,12 +1,13 @@
-"""The README's figures, written from a run: never typed by hand, so they cannot drift from what `make run` gives.
+"""The documented figures, written from a run: never typed by hand, so they cannot drift from what `make run` gives.
 
     .venv/bin/python bench/figures.py                   # the newest run under outputs/runs (what `make run` wrote)
     .venv/bin/python bench/figures.py --run DIR         # a given run folder (its summary.json)
-    .venv/bin/python bench/figures.py --check           # exit 1 if README.md's blocks differ from the run's
+    .venv/bin/python bench/figures.py --check           # exit 1 if the pages' blocks differ from the run's
     .venv/bin/python bench/figures.py --vllm            # also the evaluate probe on vLLM (about 2 minutes)
     make figures                                        # `make run`, then this
 
-Each block sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in README.md and is replaced whole:
+Each block sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in README.md or a page of docs/ (one
+block of a name in all of them: `write_blocks` finds it there) and is replaced whole. This script writes two:
 - `default-run`: the story table of the run (as `regraft` prints it: each figure beside its MLflow name), the
   world's digest and the CPU settings it was built under, the run's date and commit (the tracker's `git_commit`
   tag, or HEAD when the run has no MLflow store).
@@ -14,7 +15,8 @@ Each block sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->` in 
   and, with `--vllm`, the same probe run on vLLM's engine (`.venv-vllm`, `make venv-vllm`) beside them: the counts
   the field's own engine gives for the same drafter, prompts and settings.
 
-The run must be a default one (no overrides but `paths.*`): the README describes `make run`.
+The run must be a default one (no overrides but `paths.*`): the README describes `make run`. bench/race.py,
+bench/cpu_settings.py and bench/cache_verify.py write their own blocks through `write_blocks` too.
 """
 from __future__ import annotations
 
@@ -94,13 +96,13 @@ def vllm_evaluate(summary: dict, out: Path) -> dict:
 
 
 def engines_block(summary: dict, vllm: tuple[dict, str] | None) -> str:
-    """Inside a list item of README.md: wrapped and indented by two spaces."""
+    """Inside a list item of docs/results.md: wrapped and indented by two spaces."""
     metrics = summary["stages"]["evaluate"]["metrics"]
     text = (f"The default run's phase-1 drafter on its {int(metrics['turns'])} held-out turns, "
             f"{int(metrics['num_steps'])} draft steps, hf backend (the evaluate stage): {counts(metrics)}")
     if vllm is not None:
         text += f"; the same probe on {vllm[1]}'s engine: {counts(vllm[0])}"
-    text += "; written by `bench/figures.py` from the run above."
+    text += "; written by `bench/figures.py` from the default run in README.md."
     return "\n".join(textwrap.wrap(text, width=118, initial_indent="  ", subsequent_indent="  ")) + "\n"
 
 
@@ -117,29 +119,59 @@ def on_vllm(summary: dict, out: Path | None) -> tuple[dict, str] | None:
 
 
 def code_commit() -> str:
-    """HEAD, `-dirty` when a tracked file other than README.md differs from it: the figure blocks this script and
-    bench/race.py write into README.md do not make the code that computed them another commit."""
+    """HEAD, `-dirty` when a tracked file other than README.md and docs/ differs from it: the figure blocks the bench
+    scripts write into those pages do not make the code that computed them another commit."""
     import subprocess
 
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!README.md"],
-                             cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!README.md",
+                              ":!docs"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return (head or "unknown") + ("-dirty" if changed else "")
 
 
-def render(readme: str, blocks: dict[str, str]) -> str:
-    missing = set(blocks) - {m["name"] for m in BLOCK.finditer(readme)}
-    if missing:
-        raise SystemExit(f"README.md has no <!-- figures:NAME --> block for {sorted(missing)}")
-    return BLOCK.sub(lambda m: m[1] + blocks.get(m["name"], m["body"]) + m[4], readme)
+def written(command: str) -> str:
+    """How a bench script's block says where it came from: the command, today's date and the code's commit."""
+    return f"`{command.strip()}`, written by the script on {datetime.date.today()} at commit {code_commit()}"
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """Where figure blocks live: README.md and every page of docs/."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def render(text: str, blocks: dict[str, str]) -> str:
+    """`text` with each of its blocks named in `blocks` replaced whole; everything else left byte for byte."""
+    return BLOCK.sub(lambda m: m[1] + blocks.get(m["name"], m["body"]) + m[4], text)
+
+
+def write_blocks(blocks: dict[str, str], root: Path = ROOT, check: bool = False) -> list[Path]:
+    """Each block written into the one page (README.md, docs/*.md) that holds it; returns the pages whose text
+    changes (with `check`, would change: nothing is written). A name no page holds, or held twice, ends the script."""
+    texts = {page: page.read_text() for page in pages(root) if page.exists()}
+    held = {name: [page for page, text in texts.items() for m in BLOCK.finditer(text) if m["name"] == name]
+            for name in blocks}
+    wrong = {name: places for name, places in held.items() if len(places) != 1}
+    if wrong:
+        raise SystemExit("; ".join(
+            f"figures:{name}: " + (f"{len(places)} blocks ({', '.join(str(p.relative_to(root)) for p in places)})"
+                                   if places else "no <!-- figures:NAME --> block in README.md or docs/*.md")
+            for name, places in sorted(wrong.items())) + " (each block stands in exactly one page)")
+    changed = []
+    for page in dict.fromkeys(places[0] for places in held.values()):
+        after = render(texts[page], blocks)
+        if after != texts[page]:
+            changed.append(page)
+            if not check:
+                page.write_text(after)
+    return changed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, help="a run folder with summary.json (default: the newest run)")
     parser.add_argument("--outputs", type=Path, default=ROOT / "outputs")
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
-    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if the README differs")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the folder whose README.md and docs/ hold the blocks")
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if a page differs")
     parser.add_argument("--vllm", type=Path, nargs="?", const=Path("outputs/figures_vllm"), default=None,
                         help="also run the evaluate probe on vLLM into this folder (default outputs/figures_vllm); "
                         "(about 2 minutes on 2 cores)")
@@ -151,13 +183,11 @@ def main() -> int:
         raise SystemExit(f"{run} ran with overrides {changed}: the README's figures are the defaults'")
     blocks = {"default-run": default_run_block(run, summary),
               "engines-agree": engines_block(summary, on_vllm(summary, args.vllm))}
-    before = args.readme.read_text()
-    after = render(before, blocks)
+    differ = [str(page.relative_to(args.root)) for page in write_blocks(blocks, args.root, check=args.check)]
     if args.check:
-        print("README.md figures match" if after == before else f"README.md figures differ from {run}")
-        return int(after != before)
-    args.readme.write_text(after)
-    print(f"README.md: {len(blocks)} figure blocks from {run}" + ("" if after != before else " (unchanged)"))
+        print("figures match" if not differ else f"figures in {', '.join(differ)} differ from {run}")
+        return int(bool(differ))
+    print(f"{len(blocks)} figure blocks from {run}: " + (f"{', '.join(differ)} written" if differ else "unchanged"))
     return 0
 
 

@@ -5,7 +5,8 @@ full budget gives, and the share of that full compute the race spent, in the def
     .venv/bin/python bench/race.py --tiny               # debug=race (tests/test_race.py's sizes): about 2 minutes
     .venv/bin/python bench/race.py --world-override world.rotate_b=1 --budget 48
     .venv/bin/python bench/race.py --tiny --seeds 0,1,2 # the drifted world (rotate_b=1) on three seeds
-    ... --readme NAME                                   # also write the table into README.md's figures:NAME block
+    ... --write NAME                                    # also write the table into the figures:NAME block
+                                                        # (README.md or docs/, wherever it stands; alias --readme)
 
 Each world runs `regraft pipeline.race=true` in-process (launcher=inline), then every candidate to the end from
 its own checkpoint folder (pipelines/race.py::every_candidate_to_the_end); both are cached in --outputs, so a
@@ -14,7 +15,6 @@ rerun prints the table at once.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import textwrap
 from pathlib import Path
@@ -61,13 +61,12 @@ def markdown(header: tuple[str, ...], rows: list[tuple[str, ...]], said: str) ->
     return "\n".join(lines) + "\n\n" + "\n".join(textwrap.wrap(said, width=118)) + "\n"
 
 
-def write_readme(name: str, block: str) -> None:
-    """README.md's `<!-- figures:NAME -->` block replaced by this table (bench/figures.py's blocks)."""
-    from figures import render
+def write_block(name: str, block: str) -> None:
+    """The `<!-- figures:NAME -->` block, in README.md or the page of docs/ that holds it, replaced by this table."""
+    from figures import write_blocks  # bench/figures.py, beside this file
 
-    readme = ROOT / "README.md"
-    readme.write_text(render(readme.read_text(), {name: block}))
-    print(f"README.md: figures:{name} written")
+    changed = write_blocks({name: block})
+    print(f"figures:{name}: " + (f"{changed[0].relative_to(ROOT)} written" if changed else "unchanged"))
 
 
 def main() -> None:
@@ -78,7 +77,8 @@ def main() -> None:
     parser.add_argument("--world-override", action="append", default=None,
                         help="run one world with these overrides instead of the default and drifted ones")
     parser.add_argument("--seeds", help="the drifted world (world.rotate_b=1) on these world seeds, e.g. 0,1,2")
-    parser.add_argument("--readme", help="also write the table into README.md's <!-- figures:NAME --> block")
+    parser.add_argument("--write", "--readme", metavar="NAME",
+                        help="also write the table into the <!-- figures:NAME --> block of README.md or docs/")
     args = parser.parse_args()
     console = Console(width=120)
     worlds = {"given": args.world_override} if args.world_override else WORLDS
@@ -111,17 +111,16 @@ def main() -> None:
         for row in shapes:
             shape.add_row(*row)
         console.print(shape)
-    if args.readme:
-        command = "bench/race.py " + " ".join(arg for arg in sys.argv[1:] if not arg.startswith("--readme")
-                                              and arg != args.readme)
-        from figures import code_commit
+    if args.write:
+        command = "bench/race.py " + " ".join(arg for arg in sys.argv[1:] if not arg.startswith(("--readme", "--write"))
+                                              and arg != args.write)
+        from figures import written  # bench/figures.py, beside this file
 
-        said = (f"`{command.strip()}`, written by the script on {datetime.date.today()} at commit {code_commit()}; "
-                f"budget {race['budget_steps']} steps, on 2 cores.")
+        said = f"{written(command)}; budget {race['budget_steps']} steps, on 2 cores."
         block = markdown(columns, rows, said)
         if args.seeds:
             block = markdown(SHAPE_COLUMNS, shapes, said) + "\n" + block
-        write_readme(args.readme, block)
+        write_block(args.write, block)
 
 
 SHAPE_COLUMNS = ("world", "realign", "remap", "scratch", "Kimi shape (scratch ahead of remap)")

@@ -102,7 +102,7 @@ def test_race_picks_the_full_budget_winner_in_the_drifted_world(tmp_path):
     place = {label: index for index, (label, _) in enumerate(ranking)}
     best = lambda init: min(index for label, index in place.items() if label.startswith(init))
     # the Kimi shape, on this seed (0): the remapped drafter ends below scratch; the closed-form re-alignment is what
-    # rescues it. On other seeds remap may end ahead of scratch (README, figures:drift-seeds; the test below)
+    # rescues it. On other seeds remap may end ahead of scratch (docs/results.md, figures:drift-seeds; the test below)
     assert best("scratch") < best("remap")
     assert best("realign") < best("scratch")
 
