@@ -41,7 +41,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# the README's figure blocks, written from the default run (cached stages make a second call take seconds)
+# the figure blocks of README.md and docs/, written from the default run (cached stages make a second call take seconds)
 figures: $(STAMP)
 	$(BIN)/regraft
 	$(BIN)/python bench/figures.py $(if $(wildcard $(VLLM_VENV)/bin/python),--vllm)  # vLLM beside hf, given the engine venv

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from pipelines.cache import CacheCheck  # noqa: E402
 from pipelines.schema import CacheConfig  # noqa: E402
 from stages.common.artifacts import read_manifest, sha256_of  # noqa: E402
+from figures import newest_run  # noqa: E402  (bench/figures.py, beside this file)
 
 PROBE_BYTES = 256 * 2**20
 
@@ -45,13 +46,6 @@ def sha256_gb_s() -> float:
         scratch.flush()
         seconds = best_of(3, lambda: sha256_of(Path(scratch.name)))
     return PROBE_BYTES / seconds / 1e9
-
-
-def newest_run(outputs: Path) -> Path:
-    runs = sorted(outputs.glob("runs/*/summary.json"), key=lambda p: p.parent.name)
-    if not runs:
-        raise SystemExit(f"no run with a summary.json under {outputs / 'runs'}: `make run` first")
-    return runs[-1].parent
 
 
 def rows_of(run: Path) -> list[tuple[str, int, int, float, float]]:

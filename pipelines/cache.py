@@ -5,7 +5,7 @@ A key hashes the stage name, its own resolved config (the output path left out, 
 upstream keys), a fingerprint of every outside path it reads, and the code version: every module of this project
 the stage imports, directly or not (read from the sources with `ast`, lazy imports inside functions included), so
 editing a module reruns exactly the stages that run it. Package versions (torch, transformers, ...) are not in the
-key: each manifest records them, and a hit made under other versions is reported as such (README: the cache).
+key: each manifest records them, and a hit made under other versions is reported as such (docs/pipeline.md, the cache).
 A file lock beside the output claims it, so two sweep members never run the same stage at once; the lock is an
 flock, released by the kernel when its holder dies, so a killed run never blocks the next one.
 """

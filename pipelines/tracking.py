@@ -4,7 +4,7 @@ The orchestrator logs everything from what the stages wrote (manifest, metrics.j
 tracking access, a cached stage's child run carries the original numbers, and a requeued fine-tune never logs a
 step twice (its metrics.jsonl is rewritten on resume). Big files are recorded by path and sha256, not copied.
 
-One name per metric (README, "MLflow"):
+One name per metric (docs/mlflow.md):
 - child runs: a stage's figures under its own names (`accept_len`, `shared_ids`, ...), per-step series as
   `train/<k>`, `val/<k>` (finetune, by optimizer step), `preflight/<k>` (the finetune guard, step 0) and
   `turn/<k>` (the probe, by turn); a final figure that is a point of a series (the exported drafter's `val_*`,

@@ -46,7 +46,7 @@ def torch_threads(count: int | None) -> Iterator[None]:
 # Both are read when first used (MKL's first call, ATen's first dispatch), not at import: set in os.environ before
 # a process computes anything, they take effect. oneDNN is not on the fp32 path these stages take; a fixed thread
 # count is the stage's own setting (the world's `threads`, the launcher's OMP_NUM_THREADS).
-# Measured: README "The same world on every x86 CPU" (bench/cpu_settings.py); tests/test_determinism.py.
+# Measured: docs/world.md (bench/cpu_settings.py); tests/test_determinism.py.
 SAME_ON_EVERY_CPU = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2"}
 # mkl_cbwr.h: mkl_cbwr_get(MKL_CBWR_BRANCH) answers the branch in use: MKL_CBWR_BRANCH_OFF (1, none asked for),
 # MKL_CBWR_AUTO (2) or MKL_CBWR_COMPATIBLE (3)
