@@ -10,8 +10,9 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
+from omegaconf import DictConfig
 from rich.console import Console
 
 from pipelines.cache import CacheCheck, is_complete, keys_for, output_dir, verified_hit
@@ -19,9 +20,19 @@ from pipelines.dag import Node, check_graph, resolve
 from pipelines.launchers import Launcher
 from pipelines.progress import show as show_progress
 from pipelines.jobs import StageFailed, StageOutcome, outcome_from_manifest
-from pipelines.tracking import Tracker
 from stages.common.artifacts import package_versions
 from stages.common.errors import RegraftError
+
+
+class StageTracker(Protocol):
+    """What the runner tells tracking (pipelines/tracking.py::Tracker; a sweep's fan-out in pipelines/sweep.py)."""
+
+    def start_stage(self, node: Node, key: str, config: DictConfig, hit: bool) -> str:
+        """A run for the node; returns the handle finish_stage takes."""
+
+    def finish_stage(self, handle: str, outcome: StageOutcome | None, error: str | None = None, job_id: str = "",
+                     log: str = "", status: str = "FAILED", versions_note: str = "") -> None:
+        """The node's outcome, or without one its error and status."""
 
 
 # How long a cancelled local job may take to stop: a fine-tune finishes its optimizer step and saves a checkpoint.
@@ -104,7 +115,7 @@ def pending(nodes: list[Node], keys: dict[str, str], cache_root: Path) -> list[N
     return [node for node in nodes if not is_complete(output_dir(cache_root, node.stage, keys[node.name]))]
 
 
-def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: Tracker | None,
+def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: StageTracker | None,
             console: Console, poll_s: float = 0.2, max_parallel: int | None = None,
             keys: dict[str, str] | None = None, done: dict[str, NodeResult] | None = None,
             failures: dict[str, str] | None = None, check: CacheCheck = CacheCheck()) -> dict[str, NodeResult]:

@@ -32,6 +32,17 @@ def test_the_library_imports_no_stage(module):
     assert not outside, f"{module} imports {sorted(outside)}"
 
 
+CORE = ("dag", "cache", "jobs", "launchers", "runner", "progress", "warm", "warm_client", "slurm_jobs")
+
+
+@pytest.mark.parametrize("module", [f"pipelines.{name}" for name in CORE])
+def test_the_pipeline_core_imports_none_of_its_features(module):
+    """dag, cache, jobs, launchers and the runner know nothing of sweeps, the race, tracking or summaries."""
+    features = {name for name in cache.project_modules(module)
+                if name.startswith("pipelines.") and name.split(".")[1] not in CORE}
+    assert not features, f"{module} imports {sorted(features)}"
+
+
 def test_lazy_and_relative_imports_count(tmp_path):
     package = tmp_path / "stages"
     (package / "common").mkdir(parents=True)
