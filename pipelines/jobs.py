@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from pipelines.cache import is_complete, stage_lock, sweep_leftovers
 from stages.common.artifacts import read_manifest
-from stages.common.errors import RegraftError
+from stages.common.errors import RegraftError, disk_full
 
 
 @runtime_checkable
@@ -100,14 +100,23 @@ def error_line(stage: str, exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def reporting_failure(stage: str) -> Iterator[None]:
-    """Leave the stage's error line in the job's log (stderr) on the way out, for `reported_error` to find."""
+def reporting_failure(stage: str, out: Path) -> Iterator[None]:
+    """Leave the stage's error line in the job's log (stderr) on the way out, for `reported_error` to find.
+
+    A write that filled the disk (`out`: the folder the stage was writing) becomes the full-disk line, raised as
+    such; a log on that full disk may not take even the line, which is then given up, not raised over the error.
+    """
     try:
         yield
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:
-        print(STAGE_ERROR + error_line(stage, exc), file=sys.stderr, flush=True)
+        full = disk_full(exc, out)
+        # on a line of its own: a progress bar leaves the cursor mid-line
+        with contextlib.suppress(OSError):
+            print("\n" + STAGE_ERROR + error_line(stage, full or exc), file=sys.stderr, flush=True)
+        if full is not None and full is not exc:
+            raise full from exc
         raise
 
 
@@ -132,7 +141,7 @@ def run_stage(stage: str, config: dict[str, Any]) -> StageOutcome:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out = Path(config["out"])
-    with reporting_failure(stage), stage_lock(out):
+    with reporting_failure(stage, out), stage_lock(out):
         if is_complete(out):
             return outcome_from_manifest(out, hit=True, seconds=0.0)
         sweep_leftovers(out)
@@ -155,7 +164,7 @@ def run_ranks(stage: str, config: dict[str, Any]) -> StageOutcome:
     broadcast once the process group exists, so every rank takes the same branch. While rank 0 waits for a lock
     another job holds, the other ranks wait in that broadcast (torch's process-group timeout, 30 min by default).
     """
-    with reporting_failure(stage):
+    with reporting_failure(stage, Path(config["out"])):
         return rank_of_job(stage, config)
 
 

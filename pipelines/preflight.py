@@ -30,7 +30,7 @@ from stages.common.chat import read_conversations
 from stages.common.checkpoint import DrafterCheckpoint
 from stages.common.credentials import refuse_secrets
 from stages.common.drafter_config import check_drafter_fits_target, target_config
-from stages.common.errors import RegraftError
+from stages.common.errors import RegraftError, check_room, disk_full
 from stages.common.stage import check_config
 from stages.regenerate import check_regenerate_engine
 
@@ -43,14 +43,18 @@ def given(value: str | None) -> bool:
 
 
 def check_outputs_writable(cfg: DictConfig) -> None:
+    """paths.outputs can be written, and it and paths.cache have room (else the full-disk line, before Hydra
+    writes the run folder)."""
     outputs = Path(cfg.paths.outputs)
     try:
         outputs.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=outputs, prefix=".write-check-"):
             pass
     except OSError as exc:
-        raise RegraftError(outputs, f"cannot be written ({exc.strerror or exc})",
-                           "point paths.outputs= at a folder you can write") from None
+        raise disk_full(exc, outputs) or RegraftError(outputs, f"cannot be written ({exc.strerror or exc})",
+                                                      "point paths.outputs= at a folder you can write") from None
+    for folder in (outputs, Path(cfg.paths.cache)):
+        check_room(folder)
 
 
 def check_tracking_reachable(cfg: DictConfig, timeout_s: float = 5.0) -> None:

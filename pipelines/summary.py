@@ -7,6 +7,8 @@ A sweep gets one table and one `summary.json` over all its members (`SweepSummar
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from rich.table import Table
 
 from pipelines.runner import NodeResult
 from stages.common.artifacts import write_json_atomic
+from stages.common.errors import naming_full_disk
 
 def fmt(value: Any, digits: int = 3) -> str:
     if value is None:
@@ -189,8 +192,7 @@ def plot(results: dict[str, dict], run_dir: Path) -> list[Path]:
     axes.set(xlabel="TTT step", ylabel="val full accuracy", ylim=(0, 1), title="per-step accuracy")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(run_dir / "per_step_accuracy.png", dpi=100)
-    written.append(run_dir / "per_step_accuracy.png")
+    written.append(save_figure(figure, run_dir / "per_step_accuracy.png"))
     plt.close(figure)
 
     figure, axes = plt.subplots(figsize=(6, 3.5))
@@ -203,8 +205,7 @@ def plot(results: dict[str, dict], run_dir: Path) -> list[Path]:
     axes.set(xlabel="optimizer step", ylabel="weighted TTT loss", title="loss")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(run_dir / "loss_curves.png", dpi=100)
-    written.append(run_dir / "loss_curves.png")
+    written.append(save_figure(figure, run_dir / "loss_curves.png"))
     plt.close(figure)
 
     bars = [(label, results[node]["metrics"]["accept_len"]) for node, label in
@@ -214,10 +215,22 @@ def plot(results: dict[str, dict], run_dir: Path) -> list[Path]:
     axes.bar([b[0] for b in bars], [b[1] for b in bars], color=["tab:gray", "tab:green", "tab:blue"][: len(bars)])
     axes.set(ylabel="accept_len", title="accept length")
     figure.tight_layout()
-    figure.savefig(run_dir / "accept_len.png", dpi=100)
-    written.append(run_dir / "accept_len.png")
+    written.append(save_figure(figure, run_dir / "accept_len.png"))
     plt.close(figure)
     return written
+
+
+def save_figure(figure: Any, path: Path) -> Path:
+    """The figure as a PNG at `path`, whole or not at all: written beside it, then renamed (a full disk leaves no
+    cut-off image, and raises the full-disk line naming it)."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with naming_full_disk(path):
+            figure.savefig(tmp, dpi=100, format="png")
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, overrides: list[str],
@@ -237,7 +250,8 @@ def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, o
                 summary["numbers"][f"race/len_{finalist['family']}"] = finalist["accept_len"]
     if failed:  # a sweep member whose stage failed: `<node>: <its line>`
         summary["failed"] = failed
-    write_json_atomic(run_dir / "summary.json", summary)
+    with naming_full_disk(run_dir / "summary.json"):
+        write_json_atomic(run_dir / "summary.json", summary)
     return summary
 
 
@@ -257,7 +271,7 @@ def finish_run(run_dir: Path, results: dict[str, NodeResult], cfg: DictConfig, o
 
 def write_log(path: Path, results: dict[str, NodeResult], summary: dict) -> None:
     """The run's tables, as the terminal shows them, appended to its log (a sweep member prints none of its own)."""
-    with path.open("a") as handle:
+    with naming_full_disk(path), path.open("a") as handle:
         console = Console(file=handle, width=120, no_color=True)
         console.print(stage_table(results))
         console.print(story_table(summary["numbers"], caption=story_caption(summary)))
@@ -305,7 +319,8 @@ class SweepSummary(Callback):
         for member in members:
             values = {override_key(o): o.split("=", 1)[-1] for o in member["overrides"]}
             member["varies"] = {key: values.get(key, "") for key in keys}
-        write_json_atomic(sweep_dir / "summary.json", {"swept": keys, "members": members})
+        with naming_full_disk(sweep_dir / "summary.json"):
+            write_json_atomic(sweep_dir / "summary.json", {"swept": keys, "members": members})
         columns = [(key, label) for key, label in SWEEP_COLUMNS if any(key in m["numbers"] for m in members)]
         table = Table(title=f"regraft sweep: {len(members)} members", box=box.SIMPLE_HEAD, pad_edge=False,
                       caption="=phase 1: finetune.init=scratch, so the fine-tune is the scratch baseline"

@@ -7,6 +7,7 @@ something goes wrong") lists the same cases.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,62 @@ def test_a_crash_that_is_no_input_regraft_checks_ends_as_one_line_inline(inputs,
     assert "Traceback" in Path(failed.value.log).read_text()
     runs = {run.data.tags.get("node", "pipeline"): run.info.status for run in mlflow_runs(tmp_path)}
     assert runs == {"pipeline": "FAILED", "vocab_map": "FINISHED", "compare": "FAILED"}
+
+
+# (case, command line, the whole output: one line of regraft's naming the key and what it takes); all fail composing
+# the config, before Hydra makes a run folder, except the optional group (Hydra skips its missing option silently)
+NOT_COMPOSED = [
+    ("a float given a word", ["finetune.lr=abc"],
+     "error: finetune.lr=abc: finetune.lr takes a float > 0 (fix: e.g. finetune.lr=0.003)"),
+    ("an enum given another word", ["launcher.name=foo"],
+     "error: launcher.name=foo: launcher.name takes one of local, slurm, inline (fix: e.g. launcher.name=local)"),
+    ("an optional integer given a fraction", ["finetune.max_steps=1.5"],
+     "error: finetune.max_steps=1.5: finetune.max_steps takes an integer >= 1, or null (fix: e.g. "
+     "finetune.max_steps=4)"),
+    ("a config group's option that does not exist", ["launcher=slurmm"],
+     "error: launcher=slurmm: not an option of launcher (fix: choose one of inline, local, slurm: the files in "
+     "conf/launcher/)"),
+    ("a key no schema has", ["finetune.lrr=1"],
+     "error: finetune.lrr=1: finetune has no setting lrr (fix: finetune.lr? `regraft --cfg job --package finetune` "
+     "lists every one)"),
+    ("an override that does not parse", ["finetune.lr=["],
+     "error: finetune.lr=[: not an override Hydra can read (no viable alternative at input '[') (fix: write "
+     "key=value; quote a value with brackets, commas or spaces: key='...')"),
+    ("an optional group's option that does not exist", ["experiment=kimi_k2"],
+     "error: experiment=kimi_k2: not an option of experiment (fix: choose one of kimi_k25: the files in "
+     "conf/experiment/)"),
+    ("a sweep with one value of the wrong type", ["-m", "finetune.lr=1e-3,abc"],
+     "error: finetune.lr=abc: finetune.lr takes a float > 0 (fix: e.g. finetune.lr=0.003)"),
+    ("a sweep with an optional group's option that does not exist", ["-m", "finetune.lr=1e-3,3e-3", "experiment=nope"],
+     "error: experiment=nope: not an option of experiment (fix: choose one of kimi_k25: the files in "
+     "conf/experiment/)"),
+]
+
+
+def regraft_command(outputs: Path, *arguments: str, **environment: str) -> subprocess.CompletedProcess:
+    """`python -m pipelines.regraft` with only these arguments: the config a user gets (debug=tiny's sizes)."""
+    env = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"}
+    return subprocess.run([sys.executable, "-m", "pipelines.regraft", "debug=tiny", f"paths.outputs={outputs}",
+                           "tracking.enabled=false", *arguments], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300, env={**env, **environment})
+
+
+@pytest.mark.parametrize("case, arguments, says", NOT_COMPOSED, ids=[c[0] for c in NOT_COMPOSED])
+def test_a_config_that_does_not_compose_ends_with_regrafts_own_line(tmp_path, case, arguments, says):
+    done = regraft_command(tmp_path, *arguments)
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert output_lines(done) == [says], done.stdout[-2000:]  # the whole output: nothing of Hydra's above it
+    assert not complete_stages(tmp_path)
+
+
+def test_hydra_full_error_set_by_the_user_keeps_hydras_traceback(tmp_path):
+    done = regraft_command(tmp_path, "finetune.lr=abc", HYDRA_FULL_ERROR="1")
+    assert done.returncode == 1 and "Traceback" in done.stdout and "finetune.lr=abc" in done.stdout
+
+
+def test_printing_the_config_and_the_help_still_work(tmp_path):
+    """Hydra's flags after overrides too (`regraft a=1 --cfg job b=2`): regraft hands them to Hydra first."""
+    shown = regraft_command(tmp_path, "finetune.lr=1e-3", "--cfg", "job")
+    assert shown.returncode == 0 and "lr: 0.001" in shown.stdout, shown.stdout[-2000:]
+    helped = regraft_command(tmp_path, "--help")
+    assert helped.returncode == 0 and "== Configuration groups ==" in helped.stdout, helped.stdout[-2000:]

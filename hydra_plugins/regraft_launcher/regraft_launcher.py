@@ -31,6 +31,7 @@ class RegraftLauncher(Launcher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from rich.console import Console
 
+        from pipelines.config_errors import check_group_choices
         from pipelines.regraft import report_and_exit
         from pipelines.runner import Interrupts
         from pipelines.sweep import plan_member, run_sweep
@@ -48,6 +49,7 @@ class RegraftLauncher(Launcher):
         try:
             for index, overrides in enumerate(job_overrides, start=initial_job_idx):
                 member_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                check_group_choices(member_config.hydra.runtime.choices, self.hydra_context.config_loader)
                 with open_dict(member_config):
                     member_config.hydra.job.id = index
                     member_config.hydra.job.num = index
