@@ -28,6 +28,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException,
                               ValidationError)
 
+from stages.common.credentials import is_secret_name
 from stages.common.errors import RegraftError
 from stages.common.stage import BOUND_WORDS, CONF_DIR
 
@@ -69,7 +70,14 @@ def is_composition_failure(exc: BaseException) -> bool:
 
 def unreadable_override(exc: OverrideParseException) -> RegraftError:
     reason = one_line(exc.message).split(" See https://")[0]
-    return RegraftError(exc.override, f"not an override Hydra can read ({reason})", GRAMMAR_FIX)
+    return RegraftError(hidden(exc.override), f"not an override Hydra can read ({reason})", GRAMMAR_FIX)
+
+
+def hidden(override: str) -> str:
+    """An override as the error line shows it: the value left out where the key is named like a secret (a key
+    given under a misspelled name must not reach the terminal either)."""
+    key, equals, _ = override.partition("=")
+    return f"{key}=<hidden>" if equals and is_secret_name(key.rsplit(".", 1)[-1].lstrip("+~")) else override
 
 
 def missing_option(group: str, option: str, options: list[str]) -> RegraftError:
@@ -89,7 +97,7 @@ def unknown_key(cause: OmegaConfBaseException, override: str) -> RegraftError:
     else:
         listed = f"`regraft --cfg job{f' --package {parent}' if parent else ''}` lists every one"
     guess = f"{' or '.join(dotted)}? " if dotted else ""
-    return RegraftError(override, f"{parent or 'the config'} has no setting {key}", f"{guess}{listed}")
+    return RegraftError(hidden(override), f"{parent or 'the config'} has no setting {key}", f"{guess}{listed}")
 
 
 def given_override(exc: BaseException, cause: OmegaConfBaseException) -> str:
@@ -109,7 +117,7 @@ def setting_names(cause: OmegaConfBaseException) -> list[str]:
 
 def wrong_value(cause: ValidationError) -> RegraftError:
     """A value the key's type refuses: the type (with its bounds, or its values for an enum), and an example."""
-    override = f"{cause.full_key}={shown(cause.value)}"
+    override = hidden(f"{cause.full_key}={shown(cause.value)}")
     takes = field_type(cause)
     if takes is None:  # not a schema's field (a key inside a plain mapping): OmegaConf's own words
         return RegraftError(override, one_line(cause.msg), f"set {cause.full_key}= to a value of its type")

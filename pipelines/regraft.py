@@ -37,9 +37,9 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
-from pipelines.cache import keys_for
+from pipelines.cache import CacheCheck, keys_for
 from pipelines.config_errors import check_group_choices, composition_error, is_composition_failure
-from pipelines.dag import Node, build_nodes, wired
+from pipelines.dag import build_nodes, evaluate_node
 from pipelines.race import race_summary, race_table, rung_runner, run_race
 from pipelines.jobs import StageFailed
 from pipelines.launchers import make_launcher
@@ -104,7 +104,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
             results, race = race_then_evaluate(cfg, launcher, tracker, console)
         else:
             results, race = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
-                                    cfg.launcher.max_parallel, keys), None
+                                    cfg.launcher.max_parallel, keys, check=CacheCheck.of(cfg.cache)), None
     except BaseException as exc:
         if tracker is not None:
             tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", {}, {}, [])
@@ -120,7 +120,7 @@ def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> 
     nodes, results, outcome = run_race(cfg, run_rungs)
     if cfg.pipeline.evaluate:  # the winner is phase 1; the other family's finalist is measured the same way
         names = ["evaluate"] + [f"{finalist.candidate.name}_evaluate" for finalist in outcome.finalists[1:]]
-        evaluations = [Node(name, "probe", wired(cfg.probe, target=cfg.target.path, drafter=finalist.result.out))
+        evaluations = [evaluate_node(cfg, name, finalist.result.out, "1" if name == "evaluate" else "race")
                        for name, finalist in zip(names, outcome.finalists)]
         results.update(run_rungs(evaluations, results))
         for name, finalist in zip(names, outcome.finalists):
@@ -247,7 +247,8 @@ def command(cfg: DictConfig) -> None:
     console.print(story_table(done.summary["numbers"], caption=story_caption(done.summary)))
     if done.mlflow_ui:
         console.print(f"MLflow: {done.mlflow_ui}", highlight=False)
-        console.print(f"which run won: {done.mlflow_link}", highlight=False, soft_wrap=True)
+        if done.mlflow_link:  # none while the store does not answer (the run said so)
+            console.print(f"which run won: {done.mlflow_link}", highlight=False, soft_wrap=True)
     console.print(f"summary: {run_dir / 'summary.json'}", highlight=False)
 
 

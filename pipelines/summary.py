@@ -349,7 +349,8 @@ class SweepSummary(Callback):
             from pipelines.tracking import sweep_link, ui_command
 
             console.print(f"MLflow: {ui_command(config.tracking)}", highlight=False, soft_wrap=True)
-            console.print(f"which member won: {sweep_link(config.tracking, sweep_dir.name)}", highlight=False,
-                          soft_wrap=True)
+            link = sweep_link(config.tracking, sweep_dir.name)
+            if link:
+                console.print(f"which member won: {link}", highlight=False, soft_wrap=True)
         if any(member["failed"] for member in members):
             raise SystemExit(1)  # the others finished; the sweep as a whole did not

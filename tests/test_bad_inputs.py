@@ -193,6 +193,9 @@ NOT_COMPOSED = [
     ("a key no schema has", ["finetune.lrr=1"],
      "error: finetune.lrr=1: finetune has no setting lrr (fix: finetune.lr? `regraft --cfg job --package finetune` "
      "lists every one)"),
+    ("a key named like a secret, misspelled: its value is not shown", ["regenerate.apikey=sk-live-123"],
+     "error: regenerate.apikey=<hidden>: regenerate has no setting apikey (fix: regenerate.api_key or "
+     "regenerate.api_key_env? `regraft --cfg job --package regenerate` lists every one)"),
     ("an override that does not parse", ["finetune.lr=["],
      "error: finetune.lr=[: not an override Hydra can read (no viable alternative at input '[') (fix: write "
      "key=value; quote a value with brackets, commas or spaces: key='...')"),
