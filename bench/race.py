@@ -25,7 +25,7 @@ from rich.table import Table
 
 from pipelines.launchers import make_launcher
 from pipelines.race import every_candidate_to_the_end, rung_runner
-from pipelines.regraft import run_pipeline
+from pipelines.pipeline import run_pipeline
 from stages.common.stage import CONF_DIR
 
 WORLDS = {"default": [], "drifted": ["world.rotate_b=1"]}

@@ -28,7 +28,7 @@ from pipelines.cache import CacheCheck, keys_for
 from pipelines.dag import Node, build_nodes, substitute
 from pipelines.launchers import make_launcher
 from pipelines.preflight import check_before_any_work
-from pipelines.runner import NodeResult, pending, run_dag
+from pipelines.runner import NodeResult, run_dag
 from pipelines.summary import finish_run
 from pipelines.tracking import Invocation, Tracker, hydra_invocation
 from stages.common.errors import RegraftError
@@ -152,29 +152,23 @@ def check_one_launcher(members: list[Member]) -> None:
 
 def run_sweep(members: list[Member], sweep_dir: Path, console: Console) -> None:
     """Every member's stages as one DAG (race members after it, one by one); each member finished on its own."""
-    from pipelines.regraft import limit_threads, run_pipeline, threads_per_stage
+    from pipelines.pipeline import closing_on_failure, get_ready, run_pipeline
 
     start = time.perf_counter()
     check_one_launcher(members)
     plain = [member for member in members if not member.races]
     base = (plain or members)[0].cfg
     launcher = make_launcher(base.launcher, sweep_dir / "jobs")
-    limit_threads(threads_per_stage(base.launcher.threads, base.launcher.max_parallel))
     nodes, names = union(plain)
     keys = keys_for(nodes)
-    launcher.prepare(pending(nodes, keys, Path(base.paths.cache)))
+    get_ready(launcher, base, nodes, keys)
     for member in plain:
         member.tracker = Tracker.for_pipeline(member.cfg.tracking, member.invocation, member.overrides, member.run_dir)
     failures: dict[str, str] = {}
-    try:
+    with closing_on_failure([member.tracker for member in plain]):
         results = run_dag(nodes, Path(base.paths.cache), launcher, MemberTrackers(plain, names), console,
                           base.launcher.poll_s, base.launcher.max_parallel, keys, failures=failures,
                           check=CacheCheck.of(base.cache))
-    except BaseException as exc:
-        for member in plain:
-            if member.tracker is not None:
-                member.tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", {}, {}, [])
-        raise
     first_user: dict[str, int] = {}
     for member in plain:
         for node in member.nodes:

@@ -156,7 +156,7 @@ def test_a_crash_that_is_no_input_regraft_checks_ends_as_one_line_inline(inputs,
 
     import stages.compare
     from pipelines.jobs import StageFailed
-    from pipelines.regraft import run_pipeline
+    from pipelines.pipeline import run_pipeline
     from stages.common.stage import CONF_DIR
 
     def crash(cfg):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.cache import CacheCheck
-from stages.common.artifacts import read_manifest, staged_output
+from stages.common.artifacts import read_manifest, sha256_of, staged_output
 from tests.mlflow_checks import check_store, free_port, start_mlflow_server, stop_mlflow_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,6 +143,13 @@ def test_a_changed_cache_output_is_computed_again_never_reused(killed_run):
     assert again["numbers"] == before["numbers"]  # computed again, the same figures
     said = [line for line in done.stdout.splitlines() if "cache:" in line]
     assert len(said) == 3 and any("no longer has the sha256" in line for line in said), said
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{killed_run}/mlflow.db")
+    experiment = client.get_experiment_by_name("regraft")
+    [remap] = client.search_runs([experiment.experiment_id], "tags.node = 'remap'", order_by=["start_time DESC"],
+                                 max_results=1)
+    assert remap.data.tags["sha256.model.safetensors"] == sha256_of(weights)  # the file as it is now
 
     compare = outs["compare"] / "compare.json"
     compare.write_bytes(compare.read_bytes()[:-1] + b"#")

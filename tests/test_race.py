@@ -66,7 +66,7 @@ def run_race_and_reference(outputs, *overrides: str):
 
     from pipelines.launchers import make_launcher
     from pipelines.race import every_candidate_to_the_end, rung_runner
-    from pipelines.regraft import run_pipeline
+    from pipelines.pipeline import run_pipeline
 
     cfg = race_cfg(outputs, *overrides)
     console = Console(quiet=True)
@@ -128,7 +128,7 @@ def test_in_the_drifted_world_of_any_seed_realign_ends_first(tmp_path, seed):
 def test_a_rerun_runs_nothing_and_one_more_candidate_reuses_every_rung(default_world_race):
     from rich.console import Console
 
-    from pipelines.regraft import run_pipeline
+    from pipelines.pipeline import run_pipeline
 
     outputs, first, _ = default_world_race
     again = run_pipeline(race_cfg(outputs), outputs / "run2", [], Console(quiet=True)).summary

@@ -1,0 +1,120 @@
+"""The pipeline of one invocation (or sweep member): the DAG built from the config, checked before any work, run
+from the cache or as jobs (or raced, pipeline.race), tracked, and finished with its summary and plots.
+
+`regraft` (pipelines/regraft.py) is the command around it; a sweep (pipelines/sweep.py) starts and finishes its
+members with the same pieces: `get_ready`, `closing_on_failure`, `finish_run`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from omegaconf import DictConfig
+from rich.console import Console
+
+import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
+from pipelines.cache import CacheCheck, keys_for
+from pipelines.dag import Node, build_nodes, evaluate_node
+from pipelines.launchers import Launcher, make_launcher
+from pipelines.preflight import check_before_any_work
+from pipelines.race import race_summary, race_table, rung_runner, run_race
+from pipelines.runner import NodeResult, pending, run_dag
+from pipelines.summary import finish_run
+from pipelines.tracking import Tracker, hydra_invocation
+from stages.common.runtime import same_on_every_cpu
+
+
+@dataclass
+class PipelineResult:
+    results: dict[str, NodeResult]  # by node name, in DAG order
+    summary: dict  # what summary.json holds
+    plots: list[Path]
+    mlflow_ui: str | None = None  # the command that opens the MLflow UI on this run's store
+    mlflow_link: str | None = None  # the runs table there, filtered to the pipelines' parent runs, best first
+
+
+def threads_per_stage(threads: int | None, max_parallel: int | None) -> int | None:
+    if threads or not max_parallel:
+        return threads
+    return max(1, (os.cpu_count() or 1) // max_parallel)
+
+
+def limit_threads(threads: int | None) -> None:
+    """Intra-op threads of every stage: jobs inherit OMP_NUM_THREADS; inline stages use this process's setting.
+
+    Stages running side by side on a few cores must not each start a thread per core: oversubscribed torch
+    parallel regions wait on descheduled threads and run many times slower.
+    """
+    if not threads:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def get_ready(launcher: Launcher, cfg: DictConfig, nodes: list[Node], keys: dict[str, str]) -> None:
+    """The threads each stage may use, and a warm interpreter already importing for the stages that will run (while
+    MLflow starts): what a run and a sweep do before their first stage."""
+    limit_threads(threads_per_stage(cfg.launcher.threads, cfg.launcher.max_parallel))
+    launcher.prepare(pending(nodes, keys, Path(cfg.paths.cache)))
+
+
+@contextlib.contextmanager
+def closing_on_failure(trackers: list[Tracker | None]) -> Iterator[None]:
+    """Whatever ends the stages early, every parent run is closed: KILLED when interrupted, else FAILED."""
+    try:
+        yield
+    except BaseException as exc:
+        for tracker in trackers:
+            if tracker is not None:
+                tracker.finish("KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED", {}, {}, [])
+        raise
+
+
+def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: Console | None = None
+                 ) -> PipelineResult:
+    """Every stage of the DAG, from the cache or run; MLflow runs closed with the right status whatever happens.
+
+    Raises RegraftError for bad input or a failed stage, KeyboardInterrupt when interrupted.
+    """
+    start, console = time.perf_counter(), console or Console()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    same_on_every_cpu()  # every stage computes as on any x86 CPU (stages/common/runtime.py); its jobs inherit it
+    nodes = build_nodes(cfg)
+    launcher = make_launcher(cfg.launcher, run_dir / "jobs")
+    check_before_any_work(cfg, nodes, launcher)
+    keys = keys_for(nodes)
+    get_ready(launcher, cfg, nodes, keys)
+    # named by the overrides its sweep varies (`lr=1e-3 init=remap`), else its own or `defaults`
+    tracker = Tracker.for_pipeline(cfg.tracking, hydra_invocation(overrides), overrides, run_dir)
+    with closing_on_failure([tracker]):
+        if cfg.pipeline.race:
+            results, race = race_then_evaluate(cfg, launcher, tracker, console)
+        else:
+            results, race = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
+                                    cfg.launcher.max_parallel, keys, check=CacheCheck.of(cfg.cache)), None
+    summary, plots = finish_run(run_dir, results, cfg, overrides, time.perf_counter() - start, tracker, race=race)
+    return PipelineResult(results, summary, plots, tracker.ui_command() if tracker else None,
+                          tracker.runs_link() if tracker else None)
+
+
+def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> tuple[dict[str, NodeResult], dict]:
+    """pipeline.race: the rungs (pipelines/race.py), each a run of cached nodes; then the winner evaluated as phase 1."""
+    run_rungs = rung_runner(cfg, launcher, tracker, console)
+    nodes, results, outcome = run_race(cfg, run_rungs)
+    if cfg.pipeline.evaluate:  # the winner is phase 1; the other family's finalist is measured the same way
+        names = ["evaluate"] + [f"{finalist.candidate.name}_evaluate" for finalist in outcome.finalists[1:]]
+        evaluations = [evaluate_node(cfg, name, finalist.result.out, "1" if name == "evaluate" else "race")
+                       for name, finalist in zip(names, outcome.finalists)]
+        results.update(run_rungs(evaluations, results))
+        for name, finalist in zip(names, outcome.finalists):
+            finalist.accept_len = results[name].metrics.get("accept_len")
+    console.print(race_table(outcome))
+    summary = race_summary(outcome, cfg.race.budget_steps)
+    console.print(f"race: {summary['decision']}", highlight=False, soft_wrap=True)
+    return results, summary
