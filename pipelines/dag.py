@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from stages.common.errors import RegraftError
 from stages.common.stage import compose_stage
 
-# a data-parallel part is `features_3` (features.shards); a sweep's one DAG names a node that differs between
+# a data-parallel part is `features_3` (features.parts); a sweep's one DAG names a node that differs between
 # members `finetune#2` (pipelines/sweep.py)
 REFERENCE = re.compile(r"^@(?P<node>[a-z_]+(?:_[0-9]+)?(?:#[0-9]+)?)(?:/(?P<sub>.*))?$")
 PART = re.compile(r"(_[0-9]+)?(#[0-9]+)?$")
@@ -178,17 +178,17 @@ def mark_new_target(node: Node, target: DictConfig) -> None:
 
 
 def data_parallel(name: str, config: DictConfig, phase: str) -> list[Node]:
-    """One node, or `shards` part nodes (`name_0`, ...: each a job and a complete cached output of its own) and the
-    node that joins them (`name`, reading the parts in order), which is what downstream nodes read."""
-    if config.shards == 1:
+    """One node, or `parts` part nodes (`name_0`, ...: each a job and a complete cached output of its own) and the
+    node that joins them (`name`, reading the part outputs in order), which is what downstream nodes read."""
+    if config.parts == 1:
         return [Node(name, name, config, phase)]
     parts = []
-    for shard in range(config.shards):
+    for index in range(config.parts):
         part = config.copy()
-        part.shard = shard
-        parts.append(Node(f"{name}_{shard}", name, part, phase))
+        part.part = index
+        parts.append(Node(f"{name}_{index}", name, part, phase))
     join = config.copy()
-    join.parts = [f"@{part.name}" for part in parts]
+    join.part_outputs = [f"@{part.name}" for part in parts]
     return [*parts, Node(name, name, join, phase)]
 
 

@@ -60,10 +60,10 @@ class FeaturesConfig:
     vllm: VllmConfig = field(default_factory=VllmConfig)
     vllm_connector: str = "cpu"  # cpu: regraft's connector (a CPU build) | stock: vLLM's own (GPU)
     # across nodes: the pipeline splits the data into this many contiguous parts, one job and one cached output
-    # each (`shard`), and joins them with a node that only indexes the parts (`parts`): no state is copied
-    shards: int = setting(1, at_least=1)
-    shard: Optional[int] = setting(None, at_least=0)  # this job's part of `shards`; None: all the data
-    parts: list[str] = field(default_factory=list)  # join: complete part outputs, in order; nothing is computed
+    # each (`part`), and joins them with a node that only indexes the part outputs (`part_outputs`): no state is copied
+    parts: int = setting(1, at_least=1)
+    part: Optional[int] = setting(None, at_least=0)  # this job's part of `parts`; None: all the data
+    part_outputs: list[str] = field(default_factory=list)  # join: complete part outputs, in order; nothing is computed
     dtype: str = "float32"  # the target's dtype while it runs (the shards keep what it computes)
 
 
@@ -171,32 +171,32 @@ def extraction_rate(arrivals: list[tuple[float, int]]) -> dict[str, float]:
 
 def join_parts(cfg: DictConfig) -> StageResult:
     """An output that indexes complete part outputs (open_features streams their shards in order)."""
-    manifests = part_manifests(list(cfg.parts), "features")
+    manifests = part_manifests(list(cfg.part_outputs), "features")
     same = ("aux_layer_ids", "aux_convention", "max_length", "last_hidden", "target")
-    for part, manifest in zip(cfg.parts[1:], manifests[1:]):
+    for part, manifest in zip(cfg.part_outputs[1:], manifests[1:]):
         differs = [key for key in same if manifest.get(key) != manifests[0].get(key)]
         if differs:
-            raise RegraftError(part, f"differs from {cfg.parts[0]} in {', '.join(differs)}",
+            raise RegraftError(part, f"differs from {cfg.part_outputs[0]} in {', '.join(differs)}",
                                "join parts of one features run (same target, aux layers and max_length)")
     summed = ("rows", "tokens", "shards", "bytes")
     metrics = {key: sum(m["metrics"].get(key, 0) for m in manifests) for key in summed}
     # each part's figure weighted by its rows (every row stores max_length positions)
     metrics["bytes_per_token"] = sum(m["metrics"]["bytes_per_token"] * m["metrics"]["rows"] for m in manifests) \
         / max(metrics["rows"], 1)
-    metrics["parts"] = len(cfg.parts)
+    metrics["parts"] = len(cfg.part_outputs)
     with staged_output(cfg.out, "features", cfg) as staged:
-        staged.update(metrics=metrics, parts=[str(Path(part).absolute()) for part in cfg.parts],
+        staged.update(metrics=metrics, part_outputs=[str(Path(part).absolute()) for part in cfg.part_outputs],
                       **{key: manifests[0][key] for key in same if key in manifests[0]}, **engine_fields(manifests[0]))
-    return StageResult(Path(cfg.out), metrics, f"{metrics['rows']} conversations in {len(cfg.parts)} parts, "
+    return StageResult(Path(cfg.out), metrics, f"{metrics['rows']} conversations in {len(cfg.part_outputs)} parts, "
                        f"{metrics['bytes'] / 2 ** 20:.1f} MiB")
 
 
 def run(cfg: DictConfig) -> StageResult:
-    if cfg.parts:
+    if cfg.part_outputs:
         return join_parts(cfg)
     layer_ids = aux_layers(cfg)
     rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
-    part = part_slice(rows["input_ids"].shape[0], cfg.shard, cfg.shards, "features")
+    part = part_slice(rows["input_ids"].shape[0], cfg.part, cfg.parts, "features")
     rows = {name: tensor[part] for name, tensor in rows.items()}
     count = rows["input_ids"].shape[0]
     with staged_output(cfg.out, "features", cfg) as staged:
@@ -210,7 +210,7 @@ def run(cfg: DictConfig) -> StageResult:
         stored = writer.close()
         metrics = {"rows": count, "tokens": int(rows["attention_mask"].sum()), **stored.metrics(), **timing,
                    **extraction_rate(arrivals)}
-        staged.update(metrics=metrics, aux_layer_ids=layer_ids, aux_convention=OUTPUT_OF_LAYER, shard=cfg.shard,
+        staged.update(metrics=metrics, aux_layer_ids=layer_ids, aux_convention=OUTPUT_OF_LAYER, part=cfg.part,
                       max_length=cfg.max_length, target=str(Path(cfg.target).absolute()),
                       last_hidden=LastHidden(cfg.last_hidden).value)
     return StageResult(Path(cfg.out), metrics, f"{count} conversations, {stored.shards} shards, "

@@ -96,10 +96,10 @@ class RegenerateConfig:
     trust_remote_code: bool = False  # vllm: run the tokenizer code in the target's folder (Kimi's)
     work_dir: Optional[str] = None  # finished samples across kills; None: <out>.work
     # across nodes: the pipeline splits the samples into this many contiguous parts, one job and one cached output
-    # each (`shard`), and a join (`parts`) writes their lines in order: the same files as one job would
-    shards: int = setting(1, at_least=1)
-    shard: Optional[int] = setting(None, at_least=0)  # this job's part of `shards`; None: all the samples
-    parts: list[str] = field(default_factory=list)  # join: complete part outputs, in order; nothing is asked
+    # each (`part`), and a join (`part_outputs`) writes their lines in order: the same files as one job would
+    parts: int = setting(1, at_least=1)
+    part: Optional[int] = setting(None, at_least=0)  # this job's part of `parts`; None: all the samples
+    part_outputs: list[str] = field(default_factory=list)  # join: complete part outputs, in order; nothing is asked
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
@@ -413,41 +413,42 @@ def write_outputs(samples: list[Sample], records: dict[str, dict], out: Path) ->
 
 def join_parts(cfg: DictConfig) -> StageResult:
     """The parts' lines in order, their counts summed: what one job asking every sample writes."""
-    manifests = part_manifests(list(cfg.parts), "regenerate")
-    for part, manifest in zip(cfg.parts[1:], manifests[1:]):
+    manifests = part_manifests(list(cfg.part_outputs), "regenerate")
+    for part, manifest in zip(cfg.part_outputs[1:], manifests[1:]):
         if manifest["model"] != manifests[0]["model"]:
-            raise RegraftError(part, f"was answered by {manifest['model']}, {cfg.parts[0]} by "
+            raise RegraftError(part, f"was answered by {manifest['model']}, {cfg.part_outputs[0]} by "
                                f"{manifests[0]['model']}", "join the parts of one regenerate run")
     with staged_output(cfg.out, "regenerate", cfg) as staged:
         for name in ("regenerated.jsonl", "rejects.jsonl"):
             with (staged.path / name).open("wb") as joined:
-                for part in cfg.parts:
+                for part in cfg.part_outputs:
                     with (Path(part) / name).open("rb") as lines:
                         shutil.copyfileobj(lines, joined)
         counted = ("samples", "answered", "rejected", "turns", "tokens", "seconds", "resumed")
         metrics = {key: sum(manifest["metrics"][key] for manifest in manifests) for key in counted}
         model = manifests[0]["model"]
         headline = (f"{metrics['answered']} of {metrics['samples']} samples answered by {model} "
-                    f"({metrics['rejected']} rejected) in {len(cfg.parts)} shards, {metrics['tokens']} tokens")
+                    f"({metrics['rejected']} rejected) in {len(cfg.part_outputs)} parts, {metrics['tokens']} tokens")
         staged.update(metrics=metrics, headline=headline, model=model,
-                      parts=[str(Path(part).absolute()) for part in cfg.parts], **engine_fields(manifests[0]),
+                      part_outputs=[str(Path(part).absolute()) for part in cfg.part_outputs],
+                      **engine_fields(manifests[0]),
                       inputs={"data": str(Path(cfg.data).absolute()), "engine": Engine(cfg.engine).value})
     return StageResult(Path(cfg.out), metrics, headline)
 
 
 def run(cfg: DictConfig) -> StageResult:
     check_regenerate(cfg, "")
-    if cfg.parts:
+    if cfg.part_outputs:
         return join_parts(cfg)
     engine = Engine(cfg.engine)
     if engine is Engine.vllm and not cfg.target:
         raise RegraftError("target", "engine=vllm needs the target model", "set target= to the model folder")
     # ids are taken over the whole file first, so a sample keeps its id (and its seed) whichever part asks it
     samples = read_samples(Path(cfg.data), cfg.num_samples)
-    samples = samples[part_slice(len(samples), cfg.shard, cfg.shards, "regenerate", "samples")]
+    samples = samples[part_slice(len(samples), cfg.part, cfg.parts, "regenerate", "samples")]
     model = server_model(cfg, cfg.server_url.rstrip("/")) if engine is Engine.openai \
         else str(Path(cfg.target).absolute())
-    work_dir = f"{cfg.work_dir}.shard{cfg.shard}" if cfg.work_dir and cfg.shard is not None else cfg.work_dir
+    work_dir = f"{cfg.work_dir}.part{cfg.part}" if cfg.work_dir and cfg.part is not None else cfg.work_dir
     log = WorkLog(Path(work_dir or f"{cfg.out}.work"), settings(cfg, model))
     resumed = sum(sample.id in log.records for sample in samples)
     start, engine_run = time.perf_counter(), {}  # the engine's interpreter and versions, when one ran
@@ -470,7 +471,7 @@ def run(cfg: DictConfig) -> StageResult:
             shutil.copy(log.folder / "engine.log", staged.path / "engine.log")
         headline = (f"{metrics['answered']} of {metrics['samples']} samples answered by {model} "
                     f"({metrics['rejected']} rejected), {metrics['tokens']} tokens")
-        staged.update(metrics=metrics, headline=headline, model=model, shard=cfg.shard, **engine_run,
+        staged.update(metrics=metrics, headline=headline, model=model, part=cfg.part, **engine_run,
                       inputs={"data": str(Path(cfg.data).absolute()), "engine": engine.value})
     shutil.rmtree(log.folder, ignore_errors=True)
     return StageResult(Path(cfg.out), metrics, headline)

@@ -45,10 +45,10 @@ class VocabMapConfig:
     batch_size: int = setting(256, at_least=1)  # conversations tokenized per batch
     trust_remote_code: bool = False  # run the tokenizer code in its folder (Kimi's tiktoken tokenizer needs it)
     # across nodes: the pipeline splits the chats into this many contiguous parts, each counted by a job of its own
-    # (`shard`), and a join (`parts`) sums their counts and builds the map: the same map as counting at once
-    shards: int = setting(1, at_least=1)
-    shard: Optional[int] = setting(None, at_least=0)  # this job's part of `shards`; None: all the chats
-    parts: list[str] = field(default_factory=list)  # join: complete part outputs whose token_counts are summed
+    # (`part`), and a join (`part_outputs`) sums their counts and builds the map: the same map as counting at once
+    parts: int = setting(1, at_least=1)
+    part: Optional[int] = setting(None, at_least=0)  # this job's part of `parts`; None: all the chats
+    part_outputs: list[str] = field(default_factory=list)  # join: complete part outputs whose token_counts are summed
 
 
 register_schema("vocab_map", VocabMapConfig)
@@ -80,20 +80,20 @@ def count_assistant_tokens(tokenizer, conversations: Iterator[list[dict]], vocab
     return TokenCounts(counts, seen, tokens_total)
 
 
-def conversations_of(data: Path, shard: int | None, shards: int) -> Iterator[list[dict]]:
-    """Part `shard` of `shards` contiguous parts of the chats (all of them for None), read lazily."""
-    if shard is None:
+def conversations_of(data: Path, part: int | None, parts: int) -> Iterator[list[dict]]:
+    """Part `part` of `parts` contiguous parts of the chats (all of them for None), read lazily."""
+    if part is None:
         return read_conversations(data)
-    part = part_slice(sum(1 for _ in read_conversations(data)), shard, shards, "vocab_map")
-    return islice(read_conversations(data), part.start, part.stop)
+    chats = part_slice(sum(1 for _ in read_conversations(data)), part, parts, "vocab_map")
+    return islice(read_conversations(data), chats.start, chats.stop)
 
 
-def summed_counts(parts: list[str], vocab_size: int) -> TokenCounts:
+def summed_counts(part_outputs: list[str], vocab_size: int) -> TokenCounts:
     """The parts' counts added up: what counting all their chats at once gives."""
     from safetensors.torch import load_file
 
     counts, conversations, tokens_total = torch.zeros(vocab_size, dtype=torch.int64), 0, 0
-    for part, manifest in zip(parts, part_manifests(parts, "vocab_map")):
+    for part, manifest in zip(part_outputs, part_manifests(part_outputs, "vocab_map")):
         part_counts = load_file(Path(part) / VOCAB_MAP_FILE)["token_counts"]
         if part_counts.shape[0] != vocab_size:
             raise RegraftError(part, f"counts {part_counts.shape[0]} ids, this map {vocab_size}",
@@ -144,10 +144,10 @@ def run(cfg: DictConfig) -> StageResult:
     if cfg.draft_vocab_size > vocab_size:
         raise RegraftError(f"draft_vocab_size={cfg.draft_vocab_size}", f"exceeds the target vocab ({vocab_size} ids, "
                            f"{vocab_size_source})", f"set draft_vocab_size= to at most {vocab_size}")
-    if cfg.parts:
-        tally = summed_counts(list(cfg.parts), vocab_size)
+    if cfg.part_outputs:
+        tally = summed_counts(list(cfg.part_outputs), vocab_size)
     else:
-        tally = count_assistant_tokens(tokenizer, conversations_of(data, cfg.shard, cfg.shards), vocab_size,
+        tally = count_assistant_tokens(tokenizer, conversations_of(data, cfg.part, cfg.parts), vocab_size,
                                        cfg.batch_size, cfg.max_length)
     if tally.conversations == 0:
         raise RegraftError(data, "is empty", 'give data= a JSONL file with one {"messages": [...]} per line')
@@ -172,8 +172,8 @@ def run(cfg: DictConfig) -> StageResult:
         write_safetensors(staged.path / VOCAB_MAP_FILE, [spec_of("d2t", vocab_map.d2t), spec_of("t2d", vocab_map.t2d),
                           spec_of("token_counts", tally.counts)], metadata={"format": "pt"})
         save_coverage_plot(tally.counts, vocab_map.draft_vocab_size, staged.path / "coverage.png")
-        staged.update(metrics=metrics, vocab_size_source=vocab_size_source, shard=cfg.shard,
-                      parts=[str(Path(part).absolute()) for part in cfg.parts],
+        staged.update(metrics=metrics, vocab_size_source=vocab_size_source, part=cfg.part,
+                      part_outputs=[str(Path(part).absolute()) for part in cfg.part_outputs],
                       inputs={"tokenizer": str(tokenizer_dir.absolute()), "data": str(data.absolute())})
     headline = (f"{vocab_map.draft_vocab_size} draft ids cover {metrics['coverage']:.1%} "
                 f"of {assistant_tokens} assistant tokens")

@@ -126,12 +126,13 @@ def test_every_line_is_one_sample_in_input_order_with_the_targets_answers(uninte
 
 
 @needs_engine
-def test_shards_asked_by_their_own_jobs_join_into_what_one_job_writes(server_url, data, uninterrupted, tmp_path):
-    serving = ("engine=openai", f"server_url={server_url}", "concurrency=4", "shards=3")
-    parts = [tmp_path / f"part{shard}" for shard in range(3)]
-    for shard, part in enumerate(parts):
-        regenerate.run(stage_cfg(data, part, *serving, f"shard={shard}"))
-    joined = regenerate.run(stage_cfg(data, tmp_path / "joined", *serving, f"parts=[{','.join(map(str, parts))}]"))
+def test_parts_asked_by_their_own_jobs_join_into_what_one_job_writes(server_url, data, uninterrupted, tmp_path):
+    serving = ("engine=openai", f"server_url={server_url}", "concurrency=4", "parts=3")
+    parts = [tmp_path / f"part{index}" for index in range(3)]
+    for index, part in enumerate(parts):
+        regenerate.run(stage_cfg(data, part, *serving, f"part={index}"))
+    joined = regenerate.run(stage_cfg(data, tmp_path / "joined", *serving,
+                                      f"part_outputs=[{','.join(map(str, parts))}]"))
     for name in ("regenerated.jsonl", "rejects.jsonl"):
         assert (joined.out / name).read_bytes() == (uninterrupted / name).read_bytes()
     whole = json.loads((uninterrupted / "manifest.json").read_text())["metrics"]

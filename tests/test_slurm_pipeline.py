@@ -268,36 +268,36 @@ def test_a_race_submits_every_rung_with_the_fine_tunes_tasks(sweep, slurm_cluste
     assert summary(run)["evaluate"]["metrics"]["accept_len"] >= 1
 
 
-def test_feature_shards_across_nodes_rerun_only_the_cancelled_one(sweep, slurm_cluster):  # noqa: F811
-    """features.shards=4 on 2 nodes: four jobs, each a cached output; one cancelled, the rerun computes only it, and
-    the joined features equal the unsharded ones (the sweep's, cached by the fixture)."""
+def test_feature_parts_across_nodes_rerun_only_the_cancelled_one(sweep, slurm_cluster):  # noqa: F811
+    """features.parts=4 on 2 nodes: four jobs, each a cached output; one cancelled, the rerun computes only it, and
+    the joined features equal the ones computed in one job (the sweep's, cached by the fixture)."""
     from stages.common.artifacts import read_manifest
     from stages.common.feature_shards import load_features
 
     outputs, (first, _) = sweep
-    shards = ["features.shards=4", "pipeline.evaluate=false", f"finetune.lr={SWEEP_LRS[0]}"]
+    parts = ["features.parts=4", "pipeline.evaluate=false", f"finetune.lr={SWEEP_LRS[0]}"]
     late = "+launcher.per_node.features_2={additional_parameters: {begin: now+600}}"  # not in any cache key
-    process, log = run_in_background(outputs, slurm_cluster, "shards", *shards, late)
+    process, log = run_in_background(outputs, slurm_cluster, "parts", *parts, late)
     try:
-        run = outputs / "runs" / "shards"
+        run = outputs / "runs" / "parts"
         names = {f"features_{k}" for k in range(4)}
-        jobs = wait_until("the four shards submitted", lambda: process.poll() is None and (
+        jobs = wait_until("the four parts submitted", lambda: process.poll() is None and (
             run / "jobs" / "submitted.jsonl").exists() and names <= set(submitted(run)) and submitted(run))
         late_job = jobs["features_2"]["job_id"]
         others = [jobs[f"features_{k}"]["job_id"] for k in (0, 1, 3)]
-        wait_until("the other shards done", lambda: all(job_state(job) == "COMPLETED" for job in others))
+        wait_until("the other parts done", lambda: all(job_state(job) == "COMPLETED" for job in others))
         nodes = {node_list(job) for job in others}
         subprocess.run(["scancel", late_job], check=True, capture_output=True)
         assert process.wait(timeout=120) == 1, log.read_text()[-3000:]
     finally:
         if process.poll() is None:
             process.kill()
-    assert nodes == {"n1", "n2"}  # the shards ran on both nodes
+    assert nodes == {"n1", "n2"}  # the parts ran on both nodes
     assert f"Slurm job {late_job} ended CANCELLED" in log.read_text()
-    regraft(outputs, slurm_cluster, "shards_again", *shards)
-    again = submitted(outputs / "runs" / "shards_again")
+    regraft(outputs, slurm_cluster, "parts_again", *parts)
+    again = submitted(outputs / "runs" / "parts_again")
     assert {name for name in again if name.startswith("features")} == {"features_2", "features"}  # + the join
-    stages = summary(outputs / "runs" / "shards_again")
+    stages = summary(outputs / "runs" / "parts_again")
     assert all(stages[f"features_{k}"]["hit"] for k in (0, 1, 3))
     whole = summary(first)["features"]["out"]
     manifest = read_manifest(whole)

@@ -281,7 +281,7 @@ def open_features(path: str | Path, aux_layer_ids: list[int], max_length: int) -
                            "rebuild the features for this drafter")
     last_hidden = LastHidden(manifest.get("last_hidden", LastHidden.all.value))
     paths, sizes, offsets, layout = [], [], [], None
-    folders = [Path(part) for part in manifest.get("parts", [])] or [Path(path)]  # a join streams its parts
+    folders = [Path(part) for part in manifest.get("part_outputs", [])] or [Path(path)]  # a join streams its parts
     for shard in (shard for folder in folders for shard in sorted(folder.glob(SHARD_PATTERN))):
         header = read_header(shard)
         columns = shard_columns(header, last_hidden)
