@@ -95,10 +95,13 @@ class Launcher:
 
     def check(self, node: Node, config: dict[str, Any]) -> None:
         """Before any work: whether this launcher can run the node as its config asks (RegraftError if not); on
-        this machine, a stage's ranks are what its spawn mode starts."""
+        this machine, a stage's ranks are what its spawn mode starts, and what the stage's own hook asks
+        (`check_before_work(cfg, stage)`: an engine that must be installed, say)."""
         module = stage_module(node.stage)
         if isinstance(module, RankedStage):
             module.check_ranks(config, node.stage)
+        if hasattr(module, "check_before_work"):
+            module.check_before_work(config, node.stage)
 
     def prepare(self, nodes: list[Node]) -> None:
         """Called once before dispatching, with the nodes that will (probably) run."""

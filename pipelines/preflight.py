@@ -32,7 +32,6 @@ from stages.common.credentials import refuse_secrets
 from stages.common.drafter_config import check_drafter_fits_target, target_config
 from stages.common.errors import RegraftError, check_room, disk_full
 from stages.common.stage import check_config
-from stages.regenerate import check_regenerate_engine
 
 GIVEN_INPUTS = (("target", "path"), ("source", "path"), ("data", "train"), ("data", "prompts"))
 
@@ -164,8 +163,6 @@ def check_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launcher
     check_outputs_writable(cfg)
     check_tracking_reachable(cfg)
     check_given_inputs(cfg)
-    if cfg.pipeline.regenerate:
-        check_regenerate_engine(cfg.regenerate, "regenerate")
     check_models(cfg)
     for node in nodes:
         launcher.check(node, OmegaConf.to_container(node.config, resolve=True, enum_to_str=True))

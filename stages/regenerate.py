@@ -50,7 +50,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm import tqdm
 
 from stages.common.artifacts import engine_fields, plain_config, staged_output
@@ -119,6 +119,11 @@ def check_regenerate_engine(cfg: DictConfig, where: str) -> None:
     rule: every pipeline config holds a regenerate group, and one that never regenerates needs no vLLM."""
     if Engine(cfg.engine) is Engine.vllm:
         check_engine(cfg.vllm, f"{where}." if where else "")
+
+
+def check_before_work(cfg: dict, stage: str) -> None:
+    """What the pipeline asks of every stage before any work (pipelines/launchers.py): its engine can start here."""
+    check_regenerate_engine(OmegaConf.create(cfg), stage)
 
 
 register_schema("regenerate", RegenerateConfig, check=check_regenerate)

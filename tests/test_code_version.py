@@ -43,6 +43,16 @@ def test_the_pipeline_core_imports_none_of_its_features(module):
     assert not features, f"{module} imports {sorted(features)}"
 
 
+@pytest.mark.parametrize("path", sorted((cache.ROOT / "pipelines").glob("*.py")), ids=lambda path: path.stem)
+def test_no_pipeline_module_but_the_schema_registry_imports_a_stage(path):
+    """A stage's own checks are its hook (check_before_work, check_ranks), not a pipelines/ import of it."""
+    if path.stem == "schema":  # the registry: one line per stage's config
+        return
+    direct = cache.imported_names(path, f"pipelines.{path.stem}")
+    stages = {name for name in direct if name.startswith("stages.") and name.split(".")[1] in STAGES}
+    assert not stages, f"{path.name} imports {sorted(stages)}"
+
+
 def test_lazy_and_relative_imports_count(tmp_path):
     package = tmp_path / "stages"
     (package / "common").mkdir(parents=True)
