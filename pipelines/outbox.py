@@ -297,6 +297,9 @@ def main(argv: list[str]) -> int:
         kept = json.loads(path.read_text())
         stores[(kept["uri"], kept["experiment"])] = {key: kept[key] for key in (
             "uri", "experiment", "artifact_location", "max_artifact_mb", "copy_checkpoints")}
+    if not stores:
+        print(f"tracking: nothing kept in {folder}; every update reached its store")
+        return 0
     status = 0
     for settings in stores.values():
         outbox = Outbox.of(OmegaConf.create({**settings, "outbox": str(folder)}))
@@ -305,6 +308,7 @@ def main(argv: list[str]) -> int:
             print(f"tracking: {settings['uri']} still does not answer ({outbox.down}); its letters stay in {folder}")
             status = 1
     return status
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
