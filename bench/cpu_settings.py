@@ -1,4 +1,4 @@
-"""What each CPU reproducibility setting costs, and whether it changes the numbers (stages/common/runtime.py).
+"""What each CPU reproducibility setting costs, and whether it changes the numbers (stages/common/contract/runtime.py).
 
     .venv/bin/python bench/cpu_settings.py              # every row, about 2 minutes on 2 cores
     .venv/bin/python bench/cpu_settings.py --write      # and into the cpu-settings block (docs/results.md)

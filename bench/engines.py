@@ -43,8 +43,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from stages.common.contract.runtime import set_process_defaults  # noqa: E402
+
+set_process_defaults()
 
 import transformers  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -52,10 +53,10 @@ from rich.table import Table  # noqa: E402
 
 from stages import features, finetune, probe, vocab_map  # noqa: E402
 from stages import world as world_stage  # noqa: E402
-from stages.common import spec_decode  # noqa: E402
-from stages.common.runtime import torch_threads  # noqa: E402
-from stages.common.stage import compose_stage  # noqa: E402
-from stages.common.vllm_engine import engine_available  # noqa: E402
+from stages.common.drafter import spec_decode  # noqa: E402
+from stages.common.contract.runtime import torch_threads  # noqa: E402
+from stages.common.contract.stage import compose_stage  # noqa: E402
+from stages.common.engines.vllm_engine import engine_available  # noqa: E402
 
 DRAFT_VOCAB, DRAFTER_STEPS = 1024, 60  # the built-in source drafter's (pipelines/schema.py SourceBuild)
 

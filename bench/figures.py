@@ -73,7 +73,7 @@ def default_run_block(run: Path, summary: dict) -> str:
             f"{summary['wall_seconds']:.0f} s of wall time). Its world: digest `{world.get('digest', 'none recorded')}`, "
             f"built in {world['metrics']['seconds_total']:.0f} s on {cpu.get('threads', '?')} thread(s) under ATen "
             f"{cpu.get('cpu_capability', '?')} and MKL {cpu.get('mkl_cbwr', '?')} (the same on every x86 CPU: "
-            f"stages/common/runtime.py). Written by `bench/figures.py` (`make figures`).")
+            f"stages/common/contract/runtime.py). Written by `bench/figures.py` (`make figures`).")
     return "```\n" + "\n".join(lines) + "\n```\n\n" + "\n".join(textwrap.wrap(said, width=118)) + "\n"
 
 

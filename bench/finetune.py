@@ -29,30 +29,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from stages.common.contract.runtime import set_process_defaults  # noqa: E402
+
+set_process_defaults()
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from stages.common.chat import load_tokenizer, tokenized_chats  # noqa: E402
+from stages.common.data.chat import load_tokenizer, tokenized_chats  # noqa: E402
 from stages.world.corpus import as_conversation, stdlib_docstrings, write_jsonl  # noqa: E402
-from stages.common.eagle3 import Eagle3Drafter  # noqa: E402
-from stages.common.target import TargetModel  # noqa: E402
-from stages.common.drafter_config import drafter_config_for  # noqa: E402
+from stages.common.drafter.eagle3 import Eagle3Drafter  # noqa: E402
+from stages.common.drafter.target import TargetModel  # noqa: E402
+from stages.common.drafter.config import drafter_config_for  # noqa: E402
 from stages.world.toy import tiny_llama, train_tokenizer  # noqa: E402
-from stages.common.vocab import VocabMap  # noqa: E402
+from stages.common.drafter.vocab import VocabMap  # noqa: E402
 from stages import features  # noqa: E402
-from stages.common.stage import compose_stage  # noqa: E402
-from stages.common.target import TargetHead  # noqa: E402
+from stages.common.contract.stage import compose_stage  # noqa: E402
+from stages.common.drafter.target import TargetHead  # noqa: E402
 from stages.finetune import init_distributed  # noqa: E402
 from stages.finetune.loop import micro_batches, run_ttt  # noqa: E402
-from stages.common.feature_shards import load_features  # noqa: E402
-from stages.common.drafter_config import DrafterConfig  # noqa: E402
-from stages.common.eagle3 import TTTCache  # noqa: E402
-from stages.common.target import TargetSignals  # noqa: E402
-from stages.common.ttt import LossMask, draft_vocab_ids, ttt_forward  # noqa: E402
+from stages.common.data.feature_shards import load_features  # noqa: E402
+from stages.common.drafter.config import DrafterConfig  # noqa: E402
+from stages.common.drafter.eagle3 import TTTCache  # noqa: E402
+from stages.common.drafter.target import TargetSignals  # noqa: E402
+from stages.common.drafter.ttt import LossMask, draft_vocab_ids, ttt_forward  # noqa: E402
 
 SIZES = {"toy (hidden 64)": 64, "wide (hidden 256)": 256}
 TTT_STEPS, MICRO_BATCH, MAX_LENGTH, DRAFT_VOCAB = 5, 8, 256, 1024

@@ -26,7 +26,7 @@ from rich.table import Table
 from pipelines.launchers import make_launcher
 from pipelines.race import every_candidate_to_the_end, rung_runner
 from pipelines.pipeline import run_pipeline
-from stages.common.stage import CONF_DIR
+from stages.common.contract.stage import CONF_DIR
 
 WORLDS = {"default": [], "drifted": ["world.rotate_b=1"]}
 ROOT = Path(__file__).resolve().parents[1]

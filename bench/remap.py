@@ -24,6 +24,7 @@ Afterwards the remap and naive outputs are checked to be identical, tensor by te
 
     .venv/bin/python bench/remap.py            # full size: ~5 GB of inputs, a few minutes
     .venv/bin/python bench/remap.py --small    # hidden 1024, quick check
+    .venv/bin/python bench/remap.py --mla      # a Kimi-K2.6-eagle3.1-mla-shaped drafter (MLA, fc_norm, norm_output)
     .venv/bin/python bench/remap.py --repeat 3 --workdir /var/tmp/bench --keep
 """
 from __future__ import annotations
@@ -42,8 +43,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `stages` is importable
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from stages.common.contract.runtime import set_process_defaults  # noqa: E402
+
+set_process_defaults()
 
 import torch  # noqa: E402
 
@@ -63,6 +65,12 @@ class Sizes:
     intermediate: int
     draft_vocab: int
     target_vocab: int
+    mla: bool = False  # an EAGLE-3.1 MLA drafter: Kimi-K2's attention dims (its drafters copy the target's), fc_norm
+
+    @property
+    def mla_fields(self) -> dict:
+        return {"model_type": "deepseek_v2", "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": 64, "v_head_dim": 128} if self.mla else {}
 
     @property
     def lm_head_bytes(self) -> int:
@@ -71,6 +79,8 @@ class Sizes:
 
 FULL = Sizes(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000,
              target_vocab=163840)
+MLA = Sizes(hidden=7168, heads=64, kv_heads=64, head_dim=128, intermediate=18432, draft_vocab=32000,
+            target_vocab=163840, mla=True)
 SMALL = Sizes(hidden=1024, heads=8, kv_heads=8, head_dim=128, intermediate=2816, draft_vocab=8000,
               target_vocab=32768)
 
@@ -80,7 +90,7 @@ SMALL = Sizes(hidden=1024, heads=8, kv_heads=8, head_dim=128, intermediate=2816,
 
 def random_spec(name: str, shape: tuple[int, ...], seed: int):
     """A bf16 tensor of N(0, 0.02) values, generated chunk by chunk while it is written."""
-    from stages.common.tensor_io import TensorSpec
+    from stages.common.drafter.tensor_io import TensorSpec
 
     rows, cols = shape if len(shape) == 2 else (1, shape[0])
     rows_per_chunk = max(1, CHUNK_ELEMENTS // cols)
@@ -97,7 +107,7 @@ def random_spec(name: str, shape: tuple[int, ...], seed: int):
 
 def vocab_maps(sizes: Sizes, seed: int):
     """The source drafter's map and a destination map sharing SHARED_FRACTION of its target ids."""
-    from stages.common.vocab import VocabMap
+    from stages.common.drafter.vocab import VocabMap
 
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(sizes.target_vocab, generator=generator)
@@ -111,15 +121,16 @@ def vocab_maps(sizes: Sizes, seed: int):
 
 
 def write_inputs(sizes: Sizes, root: Path, seed: int = 0) -> dict[str, Path]:
-    from stages.common.checkpoint import DrafterConfig, default_aux_layer_ids, OUTPUT_OF_LAYER, write_drafter
-    from stages.common.tensor_io import spec_of, write_safetensors
+    from stages.common.drafter.checkpoint import write_drafter
+    from stages.common.drafter.config import OUTPUT_OF_LAYER, DrafterConfig, default_aux_layer_ids
+    from stages.common.drafter.tensor_io import spec_of, write_safetensors
 
     source_map, dest_map = vocab_maps(sizes, seed)
     layer = {"model_type": "llama", "num_hidden_layers": 1, "hidden_act": "silu", "hidden_size": sizes.hidden,
              "num_attention_heads": sizes.heads, "num_key_value_heads": sizes.kv_heads, "head_dim": sizes.head_dim,
              "intermediate_size": sizes.intermediate, "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
-             "max_position_embeddings": 131072, "vocab_size": sizes.target_vocab}
-    config = DrafterConfig(layer=layer, draft_vocab_size=sizes.draft_vocab,
+             "max_position_embeddings": 131072, "vocab_size": sizes.target_vocab, **sizes.mla_fields}
+    config = DrafterConfig(layer=layer, draft_vocab_size=sizes.draft_vocab, fc_norm=sizes.mla, norm_output=sizes.mla,
                            aux_layer_ids=default_aux_layer_ids(TARGET_LAYERS, OUTPUT_OF_LAYER),
                            target_num_layers=TARGET_LAYERS)
     tensors = {}
@@ -158,7 +169,7 @@ def method_copy(drafter: Path, vocab_map: Path, verifier: Path, out: Path) -> No
 
 def method_remap(drafter: Path, vocab_map: Path, verifier: Path, out: Path) -> None:
     from stages import remap
-    from stages.common.stage import compose_stage
+    from stages.common.contract.stage import compose_stage
 
     cfg = compose_stage("remap", [f"drafter={drafter}", f"vocab_map={vocab_map}", f"verifier={verifier}",
                                   f"out={out}", "fallback=verifier"])
@@ -224,7 +235,7 @@ def child(method: str, drafter: str, vocab_map: str, verifier: str, out: str) ->
 
     import safetensors.torch  # noqa: F401
     from stages import remap  # noqa: F401
-    from stages.common.stage import compose_stage  # noqa: F401
+    from stages.common.contract.stage import compose_stage  # noqa: F401
 
     run = {"copy": method_copy, "remap": method_remap, "naive": method_naive}[method]
     baseline_kb, baseline_anon_kb = status_kb("VmHWM"), status_kb("RssAnon")
@@ -299,15 +310,16 @@ def dir_bytes(path: Path) -> int:
 
 
 def print_report(sizes: Sizes, inputs: dict[str, Path], rows: list[tuple[str, dict]], verdict: str,
-                 setup_seconds: float) -> None:
+                 setup_seconds: float, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=160)
+    console = console or Console(width=160)
     lm_head_mb = sizes.lm_head_bytes / MB
-    console.print(f"sizes: hidden {sizes.hidden}, heads {sizes.heads} (kv {sizes.kv_heads}) x head_dim "
-                  f"{sizes.head_dim}, intermediate {sizes.intermediate}, draft vocab {sizes.draft_vocab}, "
-                  f"target vocab {sizes.target_vocab}, bf16")
+    attention = (f"MLA {sizes.heads} heads, q_lora 1536, kv_lora 512, nope/rope/v 128/64/128, fc_norm + norm_output"
+                 if sizes.mla else f"heads {sizes.heads} (kv {sizes.kv_heads}) x head_dim {sizes.head_dim}")
+    console.print(f"sizes: hidden {sizes.hidden}, {attention}, intermediate {sizes.intermediate}, draft vocab "
+                  f"{sizes.draft_vocab}, target vocab {sizes.target_vocab}, bf16")
     console.print(f"files (MB = 2^20 bytes): drafter {dir_bytes(inputs['drafter']) / MB:,.0f} MB, verifier "
                   f"{dir_bytes(inputs['verifier']) / MB:,.0f} MB, lm_head {lm_head_mb:,.0f} MB "
                   f"({sizes.draft_vocab}x{sizes.hidden}x2 B = {sizes.lm_head_bytes / 1e6:,.0f} decimal MB), "
@@ -356,11 +368,13 @@ def best_run(method: str, inputs: dict[str, Path], out: Path, repeat: int, cold:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="hidden 1024 / intermediate 2816 / vocab 32768 / 8000")
+    parser.add_argument("--mla", action="store_true", help="a Kimi-K2.6-eagle3.1-mla-shaped drafter at full size")
     parser.add_argument("--workdir", type=Path, default=ROOT / "outputs" / "bench",
                         help="a temp folder is made under it (default: outputs/bench)")
     parser.add_argument("--keep", action="store_true", help="keep the temp folder with inputs and outputs")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache pass")
     parser.add_argument("--repeat", type=int, default=1, help="runs per method and cache state; the fastest shows")
+    parser.add_argument("--write", metavar="NAME", help="also write the report into the figure block NAME (docs/)")
     parser.add_argument("--child", nargs=5, metavar=("METHOD", "DRAFTER", "MAP", "VERIFIER", "OUT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -368,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         child(*args.child)
         return 0
 
-    sizes = SMALL if args.small else FULL
+    sizes = SMALL if args.small else MLA if args.mla else FULL
     args.workdir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="remap-", dir=args.workdir))
     try:
@@ -387,7 +401,16 @@ def main(argv: list[str] | None = None) -> int:
         for method in METHODS:
             rows.append(("warm", best_run(method, inputs, root / f"out-{method}", args.repeat, cold=False)))
         verdict = check_outputs(root / "out-remap", root / "out-naive", round(SHARED_FRACTION * sizes.draft_vocab))
-        print_report(sizes, inputs, rows, verdict, setup_seconds)
+        from rich.console import Console
+
+        console = Console(width=160, record=True)
+        print_report(sizes, inputs, rows, verdict, setup_seconds, console)
+        if args.write:
+            from figures import write_blocks, written  # bench/figures.py, beside this file
+
+            command = "bench/remap.py " + " ".join(arg for arg in (argv if argv is not None else sys.argv[1:]))
+            block = f"```\n{console.export_text().rstrip()}\n```\n\n{written(command)}.\n"
+            print("wrote", ", ".join(str(page.relative_to(ROOT)) for page in write_blocks({args.write: block})))
     finally:
         if args.keep:
             print(f"kept {root}")

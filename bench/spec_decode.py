@@ -13,7 +13,7 @@ own draft round (the feed of one verified token, then num_steps - 1 steps) divid
 out the prefill and the Python between calls, so a measured speedup can land a little on either side of it.
 Timings are the fastest of `--repeat` passes, as other jobs share the CPUs; the caption gives the load average.
 `--decode-threads 0` decodes with torch's own intra-op thread count, as the decoder did before it pinned one thread
-(stages/common/spec_decode.py). Building the world takes about 12 minutes on 2 CPUs, measuring 3; `--workdir` keeps
+(stages/common/drafter/spec_decode.py). Building the world takes about 12 minutes on 2 CPUs, measuring 3; `--workdir` keeps
 it for the next run.
 
     .venv/bin/python bench/spec_decode.py [--num-steps 1 3 5] [--max-new-tokens 64] [--prompts 6] [--repeat 3]
@@ -34,21 +34,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from stages.common.contract.runtime import set_process_defaults  # noqa: E402
+
+set_process_defaults()
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from stages import finetune, vocab_map  # noqa: E402
-from stages.common import spec_decode  # noqa: E402
+from stages.common.drafter import spec_decode  # noqa: E402
 from stages.world import toy  # noqa: E402
-from stages.common.chat import load_tokenizer  # noqa: E402
-from stages.common.stage import compose_stage  # noqa: E402
-from stages.common.eagle3 import Eagle3Drafter, KVCache  # noqa: E402
-from stages.common.spec_decode import SpeculativeDecoder, crop, decoding, greedy_generate, target_forward  # noqa: E402
-from stages.common.target import TargetModel  # noqa: E402
+from stages.common.data.chat import load_tokenizer  # noqa: E402
+from stages.common.contract.stage import compose_stage  # noqa: E402
+from stages.common.drafter.eagle3 import Eagle3Drafter, KVCache  # noqa: E402
+from stages.common.drafter.spec_decode import (  # noqa: E402
+    SpeculativeDecoder, crop, decoding, greedy_generate, target_forward)
+from stages.common.drafter.target import TargetModel  # noqa: E402
 from stages.probe import chat_renderer, drafter_dir, first_difference, stop_ids  # noqa: E402
 
 SIZES = {"toy (hidden 64)": 64, "wide (hidden 256)": 256}

@@ -33,14 +33,15 @@ from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: `stages` is importable
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as `make bench` runs it
+from stages.common.contract.runtime import set_process_defaults  # noqa: E402
+
+set_process_defaults()
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 
 from stages.world.toy import train_tokenizer  # noqa: E402
-from stages.common.chat import load_tokenizer, read_conversations, render_with_assistant_spans  # noqa: E402
+from stages.common.data.chat import load_tokenizer, read_conversations, render_with_assistant_spans  # noqa: E402
 from stages.vocab_map import count_assistant_tokens  # noqa: E402
 
 MIN_DOCSTRING_CHARS = 40

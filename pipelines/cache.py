@@ -26,8 +26,8 @@ from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.dag import Node, substitute
-from stages.common.artifacts import read_manifest, sha256_of
-from stages.common.errors import RegraftError
+from stages.common.contract.artifacts import read_manifest, sha256_of
+from stages.common.contract.errors import RegraftError
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_PACKAGES = ("stages", "pipelines")

@@ -28,9 +28,9 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException,
                               ValidationError)
 
-from stages.common.credentials import is_secret_name
-from stages.common.errors import RegraftError
-from stages.common.stage import BOUND_WORDS, CONF_DIR
+from stages.common.engines.credentials import is_secret_name
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.stage import BOUND_WORDS, CONF_DIR
 
 GRAMMAR_FIX = "write key=value; quote a value with brackets, commas or spaces: key='...'"
 HYDRA_CODE = Path(hydra.__file__).parent

@@ -8,6 +8,7 @@
     remap -> diagnose (source.target vs the new target: drift, step-0 starts, the re-aligned drafter)
     features (the new target's states, cached once) -> finetune (from remap) -> evaluate            (phase 1)
     features -> baseline_finetune (from scratch) -> baseline_evaluate                          (its baseline)
+    (features.mode=online: no features node; each fine-tune asks a vLLM server for its batches' states)
 
 A node is a stage module run on a stage config; one stage may run as several nodes (probe, evaluate and
 baseline_evaluate are the probe stage; finetune, baseline_finetune and source_drafter the finetune stage). Inputs are written into that config as references: `@NODE` is the
@@ -22,9 +23,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from stages.common.errors import RegraftError
-from stages.common.stage import compose_stage
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.stage import compose_stage
 
 # a data-parallel part is `features_3` (features.parts); a sweep's one DAG names a node that differs between
 # members `finetune#2` (pipelines/sweep.py)
@@ -94,15 +96,23 @@ def finetune_drafter(init: str, source: str) -> str | None:
 def finetune_node(cfg: DictConfig, name: str, init: str, phase: str, **settings: Any) -> Node:
     """A fine-tune of the new target's drafter from `init`, on the cached features (pipeline.offline) or the data;
     `settings` on top of cfg.finetune (a race's lr and stop). The pipeline's fine-tunes and every race rung."""
-    training = {"features": "@features", "data": None} if cfg.pipeline.offline else {"data": training_data(cfg)}
+    cached = cached_features(cfg)
+    training = {"features": "@features", "data": None} if cached else {"data": training_data(cfg)}
     config = wired(cfg.finetune, target=cfg.target.path, vocab_map="@vocab_map",
                    drafter=finetune_drafter(init, cfg.source.path), **training)
     config.merge_with({"init": init, **settings})
     if init == "scratch":
         config.drafter = None
-    if cfg.pipeline.offline:
+    if cached:
         config.data = None
+    if cfg.pipeline.offline and not cached:  # features.mode=online: the states from a server (finetune.engine)
+        config.engine.enabled = True
     return Node(name, "finetune", config, phase)
+
+
+def cached_features(cfg: DictConfig) -> bool:
+    """Whether the fine-tunes read a features node's shards (pipeline.offline, features.mode=offline)."""
+    return bool(cfg.pipeline.offline) and OmegaConf.to_container(cfg.features, enum_to_str=True)["mode"] == "offline"
 
 
 def evaluate_node(cfg: DictConfig, name: str, drafter: str, phase: str) -> Node:
@@ -117,21 +127,38 @@ def training_data(cfg: DictConfig) -> str:
 
 def source_nodes(build: DictConfig) -> list[Node]:
     """The built-in source drafter, made by regraft's own stages: a draft vocab counted on target A's data, then a
-    from-scratch fine-tune on target A (stage defaults plus `source.build`, never the pipeline's finetune options)."""
+    from-scratch fine-tune on target A (the finetune stage's defaults plus `source.build.finetune`)."""
     counted = wired(compose_stage("vocab_map", []), tokenizer=build.target, data=build.data)
     counted.draft_vocab_size = build.draft_vocab_size
-    trained = wired(compose_stage("finetune", []), target=build.target, data=build.data, vocab_map="@source_map")
-    trained.merge_with({"init": "scratch", "seed": build.seed, "ttt_steps": build.ttt_steps, "lr": build.lr,
-                        "max_steps": build.steps, "epochs": build.steps,  # max_steps ends it, epoch ends validate
-                        "micro_batch_size": build.micro_batch_size, "max_length": build.max_length,
-                        "val_fraction": build.val_fraction, "checkpoint_every": build.steps})
+    settings = {**OmegaConf.to_container(build.finetune, resolve=True), "family": build.family}
+    trained = wired(built_finetune(settings), target=build.target, data=build.data, vocab_map="@source_map")
     return [Node("source_map", "vocab_map", counted, "setup"), Node("source_drafter", "finetune", trained, "setup")]
 
 
-# The fine-tunes a run makes, each measured as phase 0 is: (train node, evaluate node, phase); the init of the
-# first is finetune.init's, the baseline's is scratch
-PHASE1 = ("finetune", "evaluate", "1")
-BASELINE = ("baseline_finetune", "baseline_evaluate", "baseline")
+def built_finetune(settings: dict[str, Any]) -> DictConfig:
+    """The finetune stage's defaults with `settings` on top, checked against its schema (a typo is refused here)."""
+    config = compose_stage("finetune", [])
+    try:
+        config.merge_with({**settings, "init": "scratch"})
+    except OmegaConfBaseException as error:
+        raise RegraftError("conf/source/toy.yaml", f"source.build.finetune: {error.msg.splitlines()[0]}",
+                           "use the keys and types of the finetune stage (regraft --cfg job --package finetune)")
+    return config
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A fine-tune the run makes and the evaluation of its drafter (measured as phase 0 is), by node name."""
+    train: str
+    evaluate: str
+    phase: str
+    label: str  # how the summary's plots name it
+
+
+# The nodes other modules read by role (the summary, the race); every other name is only built here
+PROBE, COMPARE, DIAGNOSE = "probe", "compare", "diagnose"
+PHASE1 = Measured("finetune", "evaluate", "1", "remap + fine-tune")  # from finetune.init
+BASELINE = Measured("baseline_finetune", "baseline_evaluate", "baseline", "from scratch")
 
 
 def build_nodes(cfg: DictConfig) -> list[Node]:
@@ -144,24 +171,24 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
     if cfg.pipeline.regenerate:  # the new target's own answers replace the data's for everything that trains
         nodes += data_parallel("regenerate", wired(cfg.regenerate, target=target, data=cfg.data.train), "prep")
     if cfg.pipeline.probe:
-        nodes.append(evaluate_node(cfg, "probe", source, "0"))
+        nodes.append(evaluate_node(cfg, PROBE, source, "0"))
     nodes += data_parallel("vocab_map", wired(cfg.vocab_map, tokenizer=target, data=data), "prep")
-    nodes.append(Node("compare", "compare", wired(cfg.compare, a=source, b="@vocab_map"), "prep"))
+    nodes.append(Node(COMPARE, "compare", wired(cfg.compare, a=source, b="@vocab_map"), "prep"))
     nodes.append(Node("remap", "remap", wired(cfg.remap, drafter=source, vocab_map="@vocab_map", verifier=target),
                       "prep"))
     init = OmegaConf.to_container(cfg.finetune, enum_to_str=True)["init"]
     if cfg.pipeline.diagnose or init == "realign":  # realign's drafter is the one diagnose re-aligns
         built_here = cfg.source.build is not None and str(source).startswith("@source_drafter")
         old_target = cfg.source.target or (cfg.source.build.target if built_here else None)
-        nodes.append(Node("diagnose", "diagnose", wired(cfg.diagnose, drafter="@remap", target=target, data=data,
+        nodes.append(Node(DIAGNOSE, "diagnose", wired(cfg.diagnose, drafter="@remap", target=target, data=data,
                                                         target_a=old_target, vocab_map="@vocab_map"), "prep"))
-    if cfg.pipeline.offline:
+    if cached_features(cfg):
         nodes += data_parallel("features", wired(cfg.features, target=target, data=data, drafter=source), "prep")
-    runs = [(*PHASE1, init)] + ([(*BASELINE, "scratch")] if cfg.pipeline.baseline else [])
-    for train_name, eval_name, phase, run_init in runs:
-        nodes.append(finetune_node(cfg, train_name, run_init, phase))
+    runs = [(PHASE1, init)] + ([(BASELINE, "scratch")] if cfg.pipeline.baseline else [])
+    for run, run_init in runs:
+        nodes.append(finetune_node(cfg, run.train, run_init, run.phase))
         if cfg.pipeline.evaluate:  # phase 1 is measured exactly as phase 0, by the same stage and settings
-            nodes.append(evaluate_node(cfg, eval_name, f"@{train_name}", phase))
+            nodes.append(evaluate_node(cfg, run.evaluate, f"@{run.train}", run.phase))
     for node in nodes:
         if node.phase != "setup":
             mark_new_target(node, cfg.target)

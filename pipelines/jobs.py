@@ -28,8 +28,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from pipelines.cache import is_complete, stage_lock, sweep_leftovers
-from stages.common.artifacts import read_manifest
-from stages.common.errors import RegraftError, disk_full
+from stages.common.contract.artifacts import read_manifest
+from stages.common.contract.errors import RegraftError, disk_full
+from stages.common.contract.runtime import set_process_defaults
 
 
 @runtime_checkable
@@ -138,8 +139,7 @@ def outcome_from_manifest(out: Path, hit: bool, seconds: float) -> StageOutcome:
 
 
 def run_stage(stage: str, config: dict[str, Any]) -> StageOutcome:
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    set_process_defaults()
     out = Path(config["out"])
     with reporting_failure(stage, out), stage_lock(out):
         if is_complete(out):
@@ -172,8 +172,7 @@ def rank_of_job(stage: str, config: dict[str, Any]) -> StageOutcome:
     import submitit
     import torch
 
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    set_process_defaults()
     for name in RANK_VARIABLES:
         os.environ.pop(name, None)
     # MASTER_PORT from the job id: the same on every task (and on a requeued run of the job)

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipelines.dag import Node, base_name
 from pipelines.jobs import (RankedStage, resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage,
                            stage_module, stage_names)
-from stages.common.errors import RegraftError
+from stages.common.contract.errors import RegraftError
 
 
 @dataclass

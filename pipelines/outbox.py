@@ -30,9 +30,9 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 from rich.console import Console
 
-from pipelines.tracking import EXPERIMENT_NOTE, StoreWriter, repair_store, store_lock
-from stages.common.artifacts import write_json_atomic
-from stages.common.errors import RegraftError
+from pipelines.store import EXPERIMENT_NOTE, StoreWriter, repair_store, store_lock
+from stages.common.contract.artifacts import write_json_atomic
+from stages.common.contract.errors import RegraftError
 
 OWNER_TAGS = ("regraft.host", "regraft.pid", "regraft.started")
 KEPT_PATTERN = "*.json"

@@ -18,14 +18,15 @@ from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
 from pipelines.cache import CacheCheck, keys_for
-from pipelines.dag import Node, build_nodes, evaluate_node
+from pipelines.dag import PHASE1, Node, build_nodes, evaluate_node
 from pipelines.launchers import Launcher, make_launcher
 from pipelines.preflight import check_before_any_work
 from pipelines.race import race_summary, race_table, rung_runner, run_race
 from pipelines.runner import NodeResult, pending, run_dag
 from pipelines.summary import finish_run
-from pipelines.tracking import Tracker, hydra_invocation
-from stages.common.runtime import same_on_every_cpu
+from pipelines.run_names import hydra_invocation
+from pipelines.tracking import Tracker
+from stages.common.contract.runtime import same_on_every_cpu
 
 
 @dataclass
@@ -84,7 +85,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     """
     start, console = time.perf_counter(), console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
-    same_on_every_cpu()  # every stage computes as on any x86 CPU (stages/common/runtime.py); its jobs inherit it
+    same_on_every_cpu()  # every stage computes as on any x86 CPU (contract/runtime.py); its jobs inherit it
     nodes = build_nodes(cfg)
     launcher = make_launcher(cfg.launcher, run_dir / "jobs")
     check_before_any_work(cfg, nodes, launcher)
@@ -108,9 +109,10 @@ def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> 
     run_rungs = rung_runner(cfg, launcher, tracker, console)
     nodes, results, outcome = run_race(cfg, run_rungs)
     if cfg.pipeline.evaluate:  # the winner is phase 1; the other family's finalist is measured the same way
-        names = ["evaluate"] + [f"{finalist.candidate.name}_evaluate" for finalist in outcome.finalists[1:]]
-        evaluations = [evaluate_node(cfg, name, finalist.result.out, "1" if name == "evaluate" else "race")
-                       for name, finalist in zip(names, outcome.finalists)]
+        names = [PHASE1.evaluate] + [f"{finalist.candidate.name}_evaluate" for finalist in outcome.finalists[1:]]
+        phases = [PHASE1.phase] + ["race"] * (len(names) - 1)
+        evaluations = [evaluate_node(cfg, name, finalist.result.out, phase)
+                       for name, finalist, phase in zip(names, outcome.finalists, phases)]
         results.update(run_rungs(evaluations, results))
         for name, finalist in zip(names, outcome.finalists):
             finalist.accept_len = results[name].metrics.get("accept_len")

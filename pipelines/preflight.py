@@ -1,9 +1,9 @@
 """Everything regraft can check before any stage runs, in seconds: a bad value or input fails here with one line
 naming it and the fix, not after an hour of upstream stages with a traceback.
 
-- no setting holds a key, token or password, and no URL credentials (stages/common/credentials.py): checked by a
+- no setting holds a key, token or password, and no URL credentials (stages/common/engines/credentials.py): checked by a
   Hydra callback before `.hydra/` is written, so a refused secret reaches no file;
-- every setting's bounds and cross-field rules (the schemas' `setting`s and checks, stages/common/stage.py);
+- every setting's bounds and cross-field rules (the schemas' `setting`s and checks, stages/common/contract/stage.py);
 - the outputs folder can be written, the MLflow tracking server answers;
 - every input given as a path exists; chat files are not empty and start with a chat line;
 - a given source drafter is a readable checkpoint (its config and tensor headers) that fits a given target (hidden
@@ -26,12 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 from pipelines.dag import REFERENCE, Node
 from pipelines.launchers import Launcher
 from pipelines.schema import RegraftConfig
-from stages.common.chat import read_conversations
-from stages.common.checkpoint import DrafterCheckpoint
-from stages.common.credentials import refuse_secrets
-from stages.common.drafter_config import check_drafter_fits_target, target_config
-from stages.common.errors import RegraftError, check_room, disk_full
-from stages.common.stage import check_config
+from stages.common.data.chat import read_conversations
+from stages.common.drafter.checkpoint import DrafterCheckpoint
+from stages.common.engines.credentials import refuse_secrets
+from stages.common.drafter.config import check_drafter_fits_target, target_config
+from stages.common.contract.errors import RegraftError, check_room, disk_full
+from stages.common.contract.stage import check_config
 
 GIVEN_INPUTS = (("target", "path"), ("source", "path"), ("data", "train"), ("data", "prompts"))
 

@@ -27,7 +27,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.cache import CacheCheck, keys_for
-from pipelines.dag import Node, build_nodes, finetune_node
+from pipelines.dag import PHASE1, PROBE, Node, build_nodes, finetune_node
 from pipelines.runner import NodeResult, run_dag
 
 
@@ -82,8 +82,8 @@ def base_nodes(cfg: DictConfig) -> list[Node]:
     plain = OmegaConf.merge(cfg, {"pipeline": {"evaluate": False, "baseline": False}})
     if "realign" in OmegaConf.to_container(cfg.race.inits, enum_to_str=True):
         plain.pipeline.diagnose = True
-    nodes = [node for node in build_nodes(plain) if node.name != "finetune"]
-    return [node for node in nodes if node.name != "probe" or cfg.pipeline.probe]
+    nodes = [node for node in build_nodes(plain) if node.name != PHASE1.train]
+    return [node for node in nodes if node.name != PROBE or cfg.pipeline.probe]
 
 
 def rung_node(cfg: DictConfig, candidate: Candidate, stop_at: int | None, checkpoints: str | None) -> Node:

@@ -25,8 +25,9 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from stages.common.contract.runtime import set_process_defaults
+
+set_process_defaults()
 
 import hydra
 from hydra.core.global_hydra import GlobalHydra
@@ -40,8 +41,8 @@ from pipelines.jobs import StageFailed
 from pipelines.pipeline import run_pipeline
 from pipelines.runner import Interrupts
 from pipelines.summary import stage_table, story_caption, story_table
-from stages.common.errors import RegraftError, disk_full, said_disk_full
-from stages.common.stage import CONF_DIR
+from stages.common.contract.errors import RegraftError, disk_full, said_disk_full
+from stages.common.contract.stage import CONF_DIR
 
 
 def report_and_exit(exc: BaseException, console: Console, run_dir: Path | None) -> NoReturn:

@@ -20,8 +20,8 @@ from pipelines.dag import Node, check_graph, resolve
 from pipelines.launchers import Launcher
 from pipelines.progress import show as show_progress
 from pipelines.jobs import StageFailed, StageOutcome, outcome_from_manifest
-from stages.common.artifacts import package_versions
-from stages.common.errors import RegraftError
+from stages.common.contract.artifacts import package_versions
+from stages.common.contract.errors import RegraftError
 
 
 class StageTracker(Protocol):

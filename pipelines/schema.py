@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from stages.common.stage import register_schema, setting
+from stages.common.contract.stage import CHECKS, register_schema, setting
+from stages.common.drafter.config import check_family
 from stages.compare import CompareConfig
 from stages.diagnose import DiagnoseConfig
 from stages.features import FeaturesConfig
@@ -34,26 +35,34 @@ class TargetConfig:
 @dataclass
 class SourceBuild:
     """How regraft trains the built-in world's source drafter itself (source=toy): a vocab_map of `draft_vocab_size`
-    on `data`, then a from-scratch finetune on `target` (the finetune stage's defaults plus these)."""
+    on `data`, then a from-scratch finetune on `target`: the finetune stage's own defaults with `finetune` on top
+    (keys of FinetuneConfig; the pipeline's `finetune` group never reaches it). Its values: conf/source/toy.yaml."""
 
     target: str = "@world/target_a"
     data: str = "@world/data_a.jsonl"
     draft_vocab_size: int = setting(1024, at_least=1)
-    steps: int = setting(60, at_least=1)
-    ttt_steps: int = setting(3, at_least=1)
-    lr: float = setting(3e-3, above=0)
-    micro_batch_size: int = setting(8, at_least=1)
-    max_length: int = setting(96, at_least=4)
-    val_fraction: float = setting(0.02, at_least=0, below=1)
-    seed: int = 0
+    family: str = "eagle3"  # eagle3 | eagle3.1 | mla | mla3.1 (stages/common/drafter/config.py FAMILY_FLAGS)
+    finetune: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class SourceConfig:
     path: str = MISSING  # drafter folder, sglang or speculators layout, or @source_drafter/drafter
     build: Optional[SourceBuild] = None  # set only for a drafter regraft trains itself (the built-in world's)
+    family: Optional[str] = None  # its family, which the from-scratch baseline builds too (conf/wiring); None: eagle3
     target: Optional[str] = None  # the target the drafter was trained for (diagnose's target A, realign's source);
     # None: build.target for the built-in drafter (path @source_drafter/...), else unknown (diagnose then gives what it can without it)
+
+
+def check_source_family(cfg, where: str) -> None:
+    """A family the user names for the source (or its build) is one regraft builds, named as the user wrote it."""
+    named = {f"{where}.build.family": cfg.build.get("family")} if cfg.get("build") is not None else {}
+    named[f"{where}.family"] = cfg.get("family")  # the build's, unless set: the build is named first
+    for key, family in named.items():
+        check_family(key, family)
+
+
+CHECKS[SourceConfig] = check_source_family
 
 
 @dataclass
@@ -105,7 +114,9 @@ class TrackingConfig:
 class PipelineSwitches:
     regenerate: bool = False  # the new target answers data.train first; vocab_map, features and finetune read that
     probe: bool = True  # phase 0: the source drafter on the new target, as it is
-    offline: bool = True  # features once, then fine-tunes read them (false: the target runs in every step)
+    # the fine-tunes train on the target's states from features.mode's source: cached once (offline), or a vLLM
+    # server per batch (online); false: the target runs in transformers inside every fine-tune step
+    offline: bool = True
     baseline: bool = True  # a from-scratch fine-tune + evaluate beside the remapped one
     diagnose: bool = True  # how far the target moved for the drafter (needs source.target for the drift numbers)
     race: bool = False  # race.inits x race.lrs under one budget instead of one fine-tune (pipelines/race.py)

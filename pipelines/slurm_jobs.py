@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import submitit
 
 from pipelines.jobs import StageFailed, reported_error
-from stages.common.errors import RegraftError
+from stages.common.contract.errors import RegraftError
 
 # A job in one of these states may still produce a result.
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED",

@@ -19,9 +19,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from pipelines.dag import BASELINE, COMPARE, DIAGNOSE, PHASE1, PROBE
 from pipelines.runner import NodeResult
-from stages.common.artifacts import write_json_atomic
-from stages.common.errors import naming_full_disk
+from stages.common.contract.artifacts import write_json_atomic
+from stages.common.contract.errors import naming_full_disk
 
 def fmt(value: Any, digits: int = 3) -> str:
     if value is None:
@@ -33,24 +34,24 @@ def fmt(value: Any, digits: int = 3) -> str:
 # means). Each is a child's figure under its node's role; every name differs from the others in its first 12
 # characters, which is what MLflow's runs table shows of a column's name (tests/test_tracking.py holds this).
 HEADLINES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
-    ("phase0/accept_len", ("probe",), "accept_len", "accept_len, phase 0 (source as it is)"),
-    ("phase1/accept_len", ("evaluate",), "accept_len", "accept_len, phase 1 (fine-tuned)"),
-    ("scratch/accept_len", ("baseline_evaluate",), "accept_len", "accept_len, from-scratch baseline"),
-    ("maps/shared_ids", ("compare",), "shared_ids", "draft ids shared by the two maps"),
-    ("maps/positions_agree", ("compare",), "positions_agree", "draft positions at the same token"),
+    ("phase0/accept_len", (PROBE,), "accept_len", "accept_len, phase 0 (source as it is)"),
+    ("phase1/accept_len", (PHASE1.evaluate,), "accept_len", "accept_len, phase 1 (fine-tuned)"),
+    ("scratch/accept_len", (BASELINE.evaluate,), "accept_len", "accept_len, from-scratch baseline"),
+    ("maps/shared_ids", (COMPARE,), "shared_ids", "draft ids shared by the two maps"),
+    ("maps/positions_agree", (COMPARE,), "positions_agree", "draft positions at the same token"),
     # the guard's TTT step 0 on the first training batch; phase 0 is the source lm_head as it is
-    ("phase0/loss_0", ("finetune", "baseline_finetune"), "preflight_as_is_loss_0", "step-0 loss, source as it is"),
-    ("phase1/loss_0", ("finetune",), "preflight_loss_0", "step-0 loss, fine-tune init"),
-    ("scratch/loss_0", ("baseline_finetune",), "preflight_loss_0", "step-0 loss, from scratch"),
-    ("phase0/acc_0", ("finetune", "baseline_finetune"), "preflight_as_is_full_acc_0", "step-0 acc, source as it is"),
-    ("phase1/acc_0", ("finetune",), "preflight_full_acc_0", "step-0 acc, fine-tune init"),
-    ("scratch/acc_0", ("baseline_finetune",), "preflight_full_acc_0", "step-0 acc, from scratch"),
-    ("phase1/val_acc_0", ("finetune",), "val_full_acc_0", "val acc (TTT step 0) after fine-tune"),
-    ("scratch/val_acc_0", ("baseline_finetune",), "val_full_acc_0", "val acc (TTT step 0) after scratch"),
-    ("diagnose/cka_mean", ("diagnose",), "cka_mean", "CKA(old target, new), aux layers"),
-    ("diagnose/transfer_gap", ("diagnose",), "transfer_gap", "transfer gap: held-out step-0 loss"),
-    ("diagnose/remap_loss_0", ("diagnose",), "heldout_loss_0_remap", "held-out step-0 loss, remapped"),
-    ("diagnose/realign_loss_0", ("diagnose",), "heldout_loss_0_realign", "held-out step-0 loss, re-aligned"),
+    ("phase0/loss_0", (PHASE1.train, BASELINE.train), "preflight_as_is_loss_0", "step-0 loss, source as it is"),
+    ("phase1/loss_0", (PHASE1.train,), "preflight_loss_0", "step-0 loss, fine-tune init"),
+    ("scratch/loss_0", (BASELINE.train,), "preflight_loss_0", "step-0 loss, from scratch"),
+    ("phase0/acc_0", (PHASE1.train, BASELINE.train), "preflight_as_is_full_acc_0", "step-0 acc, source as it is"),
+    ("phase1/acc_0", (PHASE1.train,), "preflight_full_acc_0", "step-0 acc, fine-tune init"),
+    ("scratch/acc_0", (BASELINE.train,), "preflight_full_acc_0", "step-0 acc, from scratch"),
+    ("phase1/val_acc_0", (PHASE1.train,), "val_full_acc_0", "val acc (TTT step 0) after fine-tune"),
+    ("scratch/val_acc_0", (BASELINE.train,), "val_full_acc_0", "val acc (TTT step 0) after scratch"),
+    ("diagnose/cka_mean", (DIAGNOSE,), "cka_mean", "CKA(old target, new), aux layers"),
+    ("diagnose/transfer_gap", (DIAGNOSE,), "transfer_gap", "transfer gap: held-out step-0 loss"),
+    ("diagnose/remap_loss_0", (DIAGNOSE,), "heldout_loss_0_remap", "held-out step-0 loss, remapped"),
+    ("diagnose/realign_loss_0", (DIAGNOSE,), "heldout_loss_0_realign", "held-out step-0 loss, re-aligned"),
 )
 GAINS = (("gain/over_phase0", "phase0/accept_len", "accept_len gain of phase 1 over phase 0"),
          ("gain/over_scratch", "scratch/accept_len", "accept_len gain of phase 1 over scratch"))
@@ -73,7 +74,7 @@ def one_computation(results: dict[str, dict]) -> list[list[str]]:
 
 
 def phase1_is_scratch(results: dict[str, dict]) -> bool:
-    return any({"finetune", "baseline_finetune"} <= set(group) for group in one_computation(results))
+    return any({PHASE1.train, BASELINE.train} <= set(group) for group in one_computation(results))
 
 
 def headline_numbers(results: dict[str, dict]) -> dict[str, Any]:
@@ -185,7 +186,7 @@ def plot(results: dict[str, dict], run_dir: Path) -> list[Path]:
 
     written = []
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    for node, label in (("finetune", "remap + fine-tune"), ("baseline_finetune", "from scratch")):
+    for node, label in ((run.train, run.label) for run in (PHASE1, BASELINE)):
         accuracy = per_step_accuracy(results, node)
         if accuracy:
             axes.plot(range(len(accuracy)), accuracy, marker="o", label=label)
@@ -196,7 +197,7 @@ def plot(results: dict[str, dict], run_dir: Path) -> list[Path]:
     plt.close(figure)
 
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    for node, label in (("finetune", "remap + fine-tune"), ("baseline_finetune", "from scratch")):
+    for node, label in ((run.train, run.label) for run in (PHASE1, BASELINE)):
         if node in results:
             steps, losses = read_curve(results[node]["out"], "train", "loss")
             axes.plot(steps, losses, label=f"{label} (train)")
@@ -209,7 +210,7 @@ def plot(results: dict[str, dict], run_dir: Path) -> list[Path]:
     plt.close(figure)
 
     bars = [(label, results[node]["metrics"]["accept_len"]) for node, label in
-            (("probe", "phase 0\nas it is"), ("evaluate", "phase 1\nremap+ft"), ("baseline_evaluate", "scratch"))
+            ((PROBE, "phase 0\nas it is"), (PHASE1.evaluate, "phase 1\nremap+ft"), (BASELINE.evaluate, "scratch"))
             if node in results and "accept_len" in results[node]["metrics"]]
     figure, axes = plt.subplots(figsize=(5, 3.5))
     axes.bar([b[0] for b in bars], [b[1] for b in bars], color=["tab:gray", "tab:green", "tab:blue"][: len(bars)])
@@ -285,7 +286,7 @@ SWEEP_COLUMNS = (("phase0/accept_len", "phase 0"), ("phase1/accept_len", "phase 
 
 def varying(members: list[dict], swept: list[str]) -> list[str]:
     """The keys a sweep varies: those given with several values, else those whose values differ among members."""
-    from pipelines.tracking import override_key
+    from pipelines.run_names import override_key
 
     given = [{override_key(o): o.split("=", 1)[-1] for o in member["overrides"]} for member in members]
     keys = [key for key in swept if any(key in overrides for overrides in given)]
@@ -300,7 +301,7 @@ class SweepSummary(Callback):
     sweep varies (80 columns)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from pipelines.tracking import override_key, short_keys, swept_keys
+        from pipelines.run_names import override_key, short_keys, swept_keys
 
         sweep_dir = Path(config.hydra.sweep.dir)
         members = []

@@ -30,8 +30,9 @@ from pipelines.launchers import make_launcher
 from pipelines.preflight import check_before_any_work
 from pipelines.runner import NodeResult, run_dag
 from pipelines.summary import finish_run
-from pipelines.tracking import Invocation, Tracker, hydra_invocation
-from stages.common.errors import RegraftError
+from pipelines.run_names import Invocation, hydra_invocation
+from pipelines.tracking import Tracker
+from stages.common.contract.errors import RegraftError
 
 
 @dataclass

@@ -40,8 +40,11 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipelines.warm_client import FORWARDED
+
 CLIENT = Path(__file__).with_name("warm_client.py")
 BASE_MODULES = ("torch", "transformers", "submitit.core.submission", "pipelines.jobs")
+REQUEST_TIMEOUT_S = 10.0  # a client sends its whole request at once, right after connecting
 KILL_GRACE_S = 10.0  # a child whose client is gone is killed; SIGKILL again if it is still there after this long
 
 
@@ -62,20 +65,27 @@ class Server:
 
     def accept(self) -> None:
         connection, _ = self.listener.accept()
+        connection.settimeout(REQUEST_TIMEOUT_S)  # a client that connects and never sends cannot stall the server
         try:
             request, fds = receive(connection)
+            connection.settimeout(None)
         except (OSError, ValueError):
             connection.close()
             return
         sys.stdout.flush(), sys.stderr.flush()
+        # The client sends the job's signals on once it has the pid, which may be before the child has run at all;
+        # python's fork drops a signal that lands then (it clears pending ones in the child). Blocked, it waits in
+        # the kernel until the child has its own handlers (run_job unblocks).
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         pid = os.fork()
         if pid == 0:  # the child never returns into the server's loop, whatever happens
             code = 1
             try:
                 self.close_in_child(connection)
-                code = run_job(request, fds)
+                code = run_job(request, fds, unblocked)
             finally:
                 exit_child(code)
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         for fd in fds:
             os.close(fd)
         try:
@@ -170,10 +180,10 @@ def receive(connection: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(payload), fds
 
 
-def run_job(request: dict, fds: list[int]) -> int:
-    """In the forked child: become the job `python [-u] -m MODULE ARGS...` and return its exit status."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+def run_job(request: dict, fds: list[int], signal_mask: set[signal.Signals]) -> int:
+    """In the forked child: become the job `python [-u] -m MODULE ARGS...` and return its exit status. Signals
+    stay blocked until the job's own handlers are set and `signal_mask` (the server's) is back, inside the job."""
+    reset_signals(request.get("ignored_signals", []))
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -186,6 +196,7 @@ def run_job(request: dict, fds: list[int]) -> int:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     code = 0
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, signal_mask)  # one that came meanwhile is delivered here
         module, arguments = module_command(request["argv"])
         sys.argv = [module, *arguments]
         sys.path[0] = request["cwd"]  # what `python -m` puts first
@@ -202,6 +213,16 @@ def run_job(request: dict, fds: list[int]) -> int:
         code = 1
     sys.stdout.flush(), sys.stderr.flush()
     return code
+
+
+def reset_signals(ignored: list[int]) -> None:
+    """The signal handlers a plain `python` started by the client would have: what the client was started
+    ignoring stays ignored (a job started with SIGINT ignored keeps ignoring Ctrl-C), the rest as python sets them."""
+    for number in FORWARDED:
+        if number in ignored:
+            signal.signal(number, signal.SIG_IGN)
+        else:
+            signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
 
 
 def exit_child(code: int) -> None:

@@ -4,6 +4,8 @@ submitit's local controller runs `<this> <socket> -u -m submitit.core._submit <f
 with `python -S` (standard library only, ~20 ms), sends the job's argv, environment, working directory and its
 stdin/stdout/stderr to the server, which forks a child that already has torch imported. Signals sent to this
 process (cancel, submitit's timeout warning) are forwarded to the child, and this process exits as the child did.
+A signal this process was started ignoring stays ignored, here and in the child, as a plain interpreter would
+inherit it; one that arrives before the child's pid is known is forwarded as soon as it is.
 When no server answers, it becomes the plain interpreter (exec), so a job never depends on the server.
 """
 import json
@@ -26,12 +28,17 @@ def warm_shape(command: list[str]) -> bool:
         and len(command) > command.index("-m") + 1
 
 
-def hand_over(path: str, command: list[str]) -> socket.socket | None:
+def ignored_signals() -> list[int]:
+    return [int(number) for number in FORWARDED if signal.getsignal(number) == signal.SIG_IGN]
+
+
+def hand_over(path: str, command: list[str], ignored: list[int]) -> socket.socket | None:
     """The connection on which the server took the job, or None when no server is there."""
     try:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(path)
-        payload = json.dumps({"argv": command, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+        payload = json.dumps({"argv": command, "env": dict(os.environ), "cwd": os.getcwd(),
+                              "ignored_signals": ignored}).encode()
         socket.send_fds(connection, [struct.pack("!Q", len(payload))], [0, 1, 2])
         connection.sendall(payload)
         return connection
@@ -48,24 +55,56 @@ def exit_like(code: int) -> None:
     os._exit(code if code >= 0 else 128 - code)
 
 
+class Forwarder:
+    """Signals for the child: held until its pid is known, then sent on as they come."""
+
+    def __init__(self, ignored: list[int]):
+        self.child: int | None = None
+        self.held: list[int] = []
+        for number in FORWARDED:
+            if number not in ignored:
+                signal.signal(number, self.receive)
+
+    def receive(self, received: int, frame) -> None:
+        if self.child is None:
+            self.held.append(received)
+        else:
+            self.send(received)
+
+    def send(self, number: int) -> None:
+        try:
+            os.kill(self.child, number)
+        except ProcessLookupError:  # it has just ended; its status is on the way
+            pass
+
+    def start(self, child: int) -> None:
+        self.child = child
+        while self.held:
+            self.send(self.held.pop(0))
+
+    def stop(self) -> None:
+        """Before this process becomes a plain interpreter: that one gets the held signals itself."""
+        for number in FORWARDED:
+            if signal.getsignal(number) == self.receive:
+                signal.signal(number, signal.SIG_DFL)
+        for number in self.held:
+            os.kill(os.getpid(), number)
+
+
 def main(path: str, command: list[str]) -> None:
-    connection = hand_over(path, command) if warm_shape(command) else None
+    ignored = ignored_signals()
+    forwarder = Forwarder(ignored)  # before the hand-over: no signal may fall between it and the child's pid
+    connection = hand_over(path, command, ignored) if warm_shape(command) else None
     if connection is None:
+        forwarder.stop()
         run_cold(command)
     replies = connection.makefile("rb")
     started = replies.readline().split()
     if len(started) != 2 or started[0] != b"pid":  # the server went away before it forked: nothing ran yet
+        forwarder.stop()
         run_cold(command)
     child = int(started[1])
-
-    def forward(received: int, frame) -> None:
-        try:
-            os.kill(child, received)
-        except ProcessLookupError:  # it has just ended; its status is on the way
-            pass
-
-    for number in FORWARDED:
-        signal.signal(number, forward)
+    forwarder.start(child)
     ended = replies.readline().split()
     if len(ended) != 2 or ended[0] != b"exit":
         print(f"error: the warm interpreter stopped while job process {child} ran; rerun to resume "

@@ -15,9 +15,9 @@ from typing import Optional
 
 from omegaconf import MISSING, DictConfig
 
-from stages.common.artifacts import staged_output
-from stages.common.stage import StageResult, register_schema, stage_main
-from stages.common.vocab import compare_vocab_maps, load_vocab_map
+from stages.common.contract.artifacts import staged_output
+from stages.common.contract.stage import StageResult, register_schema, stage_main
+from stages.common.drafter.vocab import compare_vocab_maps, load_vocab_map
 
 
 @dataclass

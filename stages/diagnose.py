@@ -6,7 +6,7 @@ training map (`vocab_map`). Both targets run on the same tokens.
 Out: `diagnose.json`, `diagnose.png`, `realigned/` (the drafter re-aligned to read B; needs target A) and a
 manifest whose metrics are the headline numbers.
 
-What it measures (`stages/common/drift.py`), on the first `fit_share` of the rows' tokens fitted and the rest held
+What it measures (`stages/common/drafter/drift.py`), on the first `fit_share` of the rows' tokens fitted and the rest held
 out:
 - per aux layer: linear CKA(A, B), relative shift ||h_B - h_A|| / ||h_A||, held-out R^2 of the ridge map B -> A
   (and of B's states as they are);
@@ -28,16 +28,16 @@ from typing import Optional
 import torch
 from omegaconf import MISSING, DictConfig
 
-from stages.common import drift
-from stages.common.artifacts import read_manifest, staged_output
-from stages.common.chat import load_tokenizer, tokenized_chats
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.errors import RegraftError
-from stages.common.stage import StageResult, register_schema, setting, stage_main
-from stages.common.target import TargetFeatures, TargetModel
-from stages.common.ttt import LossMask, draft_vocab_ids, ttt_forward
-from stages.common.verifier import Verifier
-from stages.common.vocab import VocabMap, load_vocab_map
+from stages.common.drafter import drift
+from stages.common.contract.artifacts import read_manifest, staged_output
+from stages.common.data.chat import load_tokenizer, tokenized_chats
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.stage import StageResult, register_schema, setting, stage_main
+from stages.common.drafter.target import TargetFeatures, TargetModel
+from stages.common.drafter.ttt import LossMask, draft_vocab_ids, ttt_forward
+from stages.common.drafter.verifier import Verifier
+from stages.common.drafter.vocab import VocabMap, load_vocab_map
 
 INITS = ("as_is", "remap", "realign", "scratch")
 
@@ -140,7 +140,7 @@ def run(cfg: DictConfig) -> StageResult:
     drafters = {"remap": remapped, "scratch": scratch_drafter(remapped, training_map, cfg.target, cfg.seed)}
     if (as_is := source_drafter(cfg.drafter, training_map)) is not None:
         drafters["as_is"] = as_is
-    report: dict = {"layers": [], "step0": {}, "missing": []}
+    report: dict = {"family": remapped.config.describe(), "layers": [], "step0": {}, "missing": []}
     realigned = None
     if cfg.target_a:
         a = TargetModel.load(cfg.target_a, ids, convention, trust_remote_code=cfg.trust_remote_code)
@@ -149,7 +149,8 @@ def run(cfg: DictConfig) -> StageResult:
         real = rows["attention_mask"].bool()
         layer_drift, _ = drift.measure(fa.aux_hidden[real], fb.aux_hidden[real], ids, ridge=cfg.ridge,
                                        fit_share=int(fitted.sum()) / int(real.sum()))
-        _, maps = drift.measure(fa.aux_hidden[:split][fitted], fb.aux_hidden[:split][fitted], ids, ridge=cfg.ridge)
+        _, maps = drift.measure(*(drift.as_maps_read(remapped, f.aux_hidden[:split][fitted]) for f in (fa, fb)), ids,
+                                ridge=cfg.ridge)
         embed_map = drift.fit_embedding_map(a.model.get_input_embeddings().weight,
                                             b.model.get_input_embeddings().weight, remapped.config.rms_norm_eps,
                                             cfg.ridge) if cfg.realign_embeddings else None
@@ -190,10 +191,11 @@ def headline_metrics(report: dict) -> dict[str, float]:
 def headline(report: dict) -> str:
     loss = report["step0"]
     starts = ", ".join(f"{name} {loss[name]['loss']:.2f}" for name in INITS if name in loss)
+    family = f"{report['family']}: " if "family" in report else ""
     if "transfer_gap" not in report:
-        return f"step-0 loss {starts}; no target A: no drift numbers"
+        return f"{family}step-0 loss {starts}; no target A: no drift numbers"
     cka = sum(row["cka"] for row in report["layers"]) / len(report["layers"])
-    return f"step-0 loss {starts}; CKA(A,B) {cka:.2f}, transfer gap {report['transfer_gap']:+.2f}"
+    return f"{family}step-0 loss {starts}; CKA(A,B) {cka:.2f}, transfer gap {report['transfer_gap']:+.2f}"
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """features stage: run the target once over the training data and cache what the drafter trains on.
 
 In: the target model folder, chat JSONL, and the aux layers (from a drafter's config, or given).
-Out: `features-NNNNN.safetensors` shards (stages/common/feature_shards.py) and a manifest with the aux layer ids
+Out: `features-NNNNN.safetensors` shards (stages/common/data/feature_shards.py) and a manifest with the aux layer ids
 (output-of-layer convention), `last_hidden` (where the final state is stored: `all` positions, or `loss_masked`,
-only where a TTT loss can read it) and what the shards cost (`bytes`, `bytes_per_token`). A sweep of N fine-tunes
-(`finetune.features=DIR`) then runs the expensive target forward once instead of N times, and streams the shards.
+only where a TTT loss can read it), `layout` (`ragged`: real tokens only; `padded`: rows at max_length) and what
+the shards cost (`bytes`, `bytes_per_token`, `bytes_vs_tokens`: the files over real tokens x bytes_per_token).
+A sweep of N fine-tunes (`finetune.features=DIR`) then runs the expensive target forward once instead of N
+times, and streams the shards.
 Timing in the metrics: `load_seconds` (the target's load; vllm: `import_seconds` + `startup_seconds`) and
 `extract_tok_s` (real tokens per second from the second batch on).
 
@@ -25,16 +27,25 @@ import torch
 from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
-from stages.common.artifacts import StagedOutput, engine_fields, staged_output
-from stages.common.chat import load_tokenizer, tokenized_chats
-from stages.common.checkpoint import DrafterCheckpoint
-from stages.common.data_parts import part_manifests, part_slice
-from stages.common.drafter_config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, aux_layer_ids_for, convert_aux_layer_ids
-from stages.common.errors import RegraftError
-from stages.common.feature_shards import LastHidden, ShardWriter
-from stages.common.stage import StageResult, register_schema, setting, stage_main
-from stages.common.target import FinalNorm, TargetModel
-from stages.common.vllm_engine import VllmConfig, VllmEngine, check_engine
+from stages.common.contract.artifacts import StagedOutput, engine_fields, staged_output
+from stages.common.data.chat import load_tokenizer, tokenized_chats
+from stages.common.drafter.checkpoint import DrafterCheckpoint
+from stages.common.data.parts import part_manifests, part_slice
+from stages.common.drafter.config import OUTPUT_OF_LAYER, aux_layer_ids_for, convert_aux_layer_ids
+from stages.common.contract.errors import RegraftError
+from stages.common.data.feature_shards import LastHidden, Layout, ShardWriter
+from stages.common.contract.stage import StageResult, register_schema, setting, stage_main
+from stages.common.drafter.target import FinalNorm, TargetModel
+from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, check_engine
+from stages.common.engines.vllm_states import capture_settings, read_engine_states
+
+
+class Mode(str, Enum):
+    """Where a pipeline's fine-tunes get the target's states (with pipeline.offline=true; false runs the target in
+    transformers inside each fine-tune)."""
+
+    offline = "offline"  # this stage caches them once; the fine-tunes stream the shards
+    online = "online"  # no stage caches them: each fine-tune asks a vLLM server per batch (finetune.engine)
 
 
 class Backend(str, Enum):
@@ -47,6 +58,7 @@ class FeaturesConfig:
     target: str = MISSING
     data: str = MISSING
     out: str = MISSING
+    mode: Mode = Mode.offline  # offline: cache them here | online: fine-tunes ask a server (no features node)
     drafter: Optional[str] = None  # take the aux layers (and convention) from this drafter's config
     aux_layer_ids: Optional[list[int]] = None  # or give them, in the output-of-layer convention
     trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
@@ -56,6 +68,9 @@ class FeaturesConfig:
     # the final hidden state at every position (all), or only where a TTT loss under any finetune.loss_mask reads
     # it (loss_masked: answers and the token after each), saving H x itemsize at every other position
     last_hidden: LastHidden = LastHidden.all
+    # ragged: each conversation's real tokens (and the one after) only, padded when read; padded: every row at
+    # max_length, as the target ran them (what a ragged set is checked against; the fine-tunes are bit-identical)
+    layout: Layout = Layout.ragged
     backend: Backend = Backend.hf  # hf: transformers here | vllm: vLLM's extract_hidden_states (make venv-vllm)
     vllm: VllmConfig = field(default_factory=VllmConfig)
     vllm_connector: str = "cpu"  # cpu: regraft's connector (a CPU build) | stock: vLLM's own (GPU)
@@ -106,19 +121,8 @@ def hf_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], _staged: Sta
 
 
 def vllm_capture(cfg: DictConfig, layer_ids: list[int], num_layers: int, spill: Path) -> dict[str, Any]:
-    """vLLM's `extract_hidden_states` method: the aux layers in vLLM's convention (the state after j layers, so
-    output-of-layer i is j = i + 1) and the state after the last layer (j = L), through a hidden-states connector
-    that writes each prompt's states to `spill`."""
-    connector = {"cpu": ("CpuHiddenStatesConnector", "stages.common.vllm_hidden_states"),
-                 "stock": ("ExampleHiddenStatesConnector", None)}[cfg.vllm_connector]
-    capture = convert_aux_layer_ids(layer_ids, OUTPUT_OF_LAYER, INPUT_OF_LAYER) + [num_layers]
-    kv_transfer = {"kv_connector": connector[0], "kv_role": "kv_producer",
-                   "kv_connector_extra_config": {"shared_storage_path": str(spill)}}
-    if connector[1]:
-        kv_transfer["kv_connector_module_path"] = connector[1]
-    return {"speculative": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture}}},
-            "kv_transfer": kv_transfer,
+    """The engine's start settings for vLLM's `extract_hidden_states` method (stages/common/engines/vllm_states.py)."""
+    return {**capture_settings(layer_ids, num_layers, cfg.vllm_connector, spill),
             "extra": {"enable_chunked_prefill": False, "max_model_len": cfg.vllm.max_model_len or cfg.max_length + 1}}
 
 
@@ -148,19 +152,6 @@ def vllm_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], staged: St
     shutil.rmtree(spill, ignore_errors=True)
 
 
-def read_engine_states(path: Path, prompt: list[int]) -> torch.Tensor:
-    """[T, layers, H] from the connector's file (removed once read), checked against the prompt it belongs to."""
-    from safetensors.torch import load_file
-
-    saved = load_file(path)
-    path.unlink()
-    Path(f"{path}.lock").unlink(missing_ok=True)
-    if saved["token_ids"].tolist() != prompt:
-        raise RegraftError(path, "the engine saved states for other tokens than the prompt sent",
-                           "report this with the vLLM version; rerun the stage")
-    return saved["hidden_states"].float()
-
-
 def extraction_rate(arrivals: list[tuple[float, int]]) -> dict[str, float]:
     """Real tokens per second once running: from the second batch's arrival to the last's (the first pays one-off
     allocations; the model's load is `load_seconds`). Needs three batches."""
@@ -172,17 +163,18 @@ def extraction_rate(arrivals: list[tuple[float, int]]) -> dict[str, float]:
 def join_parts(cfg: DictConfig) -> StageResult:
     """An output that indexes complete part outputs (open_features streams their shards in order)."""
     manifests = part_manifests(list(cfg.part_outputs), "features")
-    same = ("aux_layer_ids", "aux_convention", "max_length", "last_hidden", "target")
+    same = ("aux_layer_ids", "aux_convention", "max_length", "last_hidden", "layout", "target")
     for part, manifest in zip(cfg.part_outputs[1:], manifests[1:]):
         differs = [key for key in same if manifest.get(key) != manifests[0].get(key)]
         if differs:
             raise RegraftError(part, f"differs from {cfg.part_outputs[0]} in {', '.join(differs)}",
                                "join parts of one features run (same target, aux layers and max_length)")
-    summed = ("rows", "tokens", "shards", "bytes")
+    summed = ("rows", "tokens", "shards", "bytes", "stored_positions")
     metrics = {key: sum(m["metrics"].get(key, 0) for m in manifests) for key in summed}
-    # each part's figure weighted by its rows (every row stores max_length positions)
-    metrics["bytes_per_token"] = sum(m["metrics"]["bytes_per_token"] * m["metrics"]["rows"] for m in manifests) \
-        / max(metrics["rows"], 1)
+    # each part's figure weighted by the positions it stores
+    metrics["bytes_per_token"] = sum(m["metrics"]["bytes_per_token"] * m["metrics"]["stored_positions"]
+                                     for m in manifests) / max(metrics["stored_positions"], 1)
+    metrics["bytes_vs_tokens"] = metrics["bytes"] / max(metrics["tokens"] * metrics["bytes_per_token"], 1)
     metrics["parts"] = len(cfg.part_outputs)
     with staged_output(cfg.out, "features", cfg) as staged:
         staged.update(metrics=metrics, part_outputs=[str(Path(part).absolute()) for part in cfg.part_outputs],
@@ -192,6 +184,9 @@ def join_parts(cfg: DictConfig) -> StageResult:
 
 
 def run(cfg: DictConfig) -> StageResult:
+    if Mode(cfg.mode) is Mode.online:
+        raise RegraftError("features.mode=online", "online features are computed by each fine-tune, not cached",
+                           "run the finetune stage with engine.enabled=true, or set mode=offline to cache them")
     if cfg.part_outputs:
         return join_parts(cfg)
     layer_ids = aux_layers(cfg)
@@ -200,7 +195,7 @@ def run(cfg: DictConfig) -> StageResult:
     rows = {name: tensor[part] for name, tensor in rows.items()}
     count = rows["input_ids"].shape[0]
     with staged_output(cfg.out, "features", cfg) as staged:
-        writer = ShardWriter(staged.path, cfg.rows_per_shard, cfg.last_hidden)
+        writer = ShardWriter(staged.path, cfg.rows_per_shard, cfg.last_hidden, cfg.layout)
         produce = vllm_features if Backend(cfg.backend) is Backend.vllm else hf_features
         timing: dict[str, float] = {}
         arrivals: list[tuple[float, int]] = []  # (when, real tokens) as each batch comes out of the target
@@ -212,7 +207,7 @@ def run(cfg: DictConfig) -> StageResult:
                    **extraction_rate(arrivals)}
         staged.update(metrics=metrics, aux_layer_ids=layer_ids, aux_convention=OUTPUT_OF_LAYER, part=cfg.part,
                       max_length=cfg.max_length, target=str(Path(cfg.target).absolute()),
-                      last_hidden=LastHidden(cfg.last_hidden).value)
+                      last_hidden=LastHidden(cfg.last_hidden).value, layout=Layout(cfg.layout).value)
     return StageResult(Path(cfg.out), metrics, f"{count} conversations, {stored.shards} shards, "
                        f"{stored.bytes / 2 ** 20:.1f} MiB ({metrics['bytes_per_token']:.0f} bytes per token)")
 

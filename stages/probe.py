@@ -39,18 +39,18 @@ import torch
 from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
-from stages.common.artifacts import StagedOutput, staged_output
-from stages.common.chat import load_tokenizer, read_conversations
-from stages.common.chat_prompts import prompt_ids, stop_ids
-from stages.common.stage import StageResult, register_schema, setting, stage_main
-from stages.common.checkpoint import DrafterCheckpoint
-from stages.common.drafter_config import check_drafter_fits_target, parse_config, target_config
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.errors import RegraftError
-from stages.common.sglang_backend import SglangConfig, accept_length, aux_convention_warning, run_sglang
-from stages.common.spec_decode import SpeculativeDecoder, greedy_generate
-from stages.common.target import TargetModel
-from stages.common.vllm_engine import VllmConfig, VllmEngine, check_engine, served_drafter
+from stages.common.contract.artifacts import StagedOutput, staged_output
+from stages.common.data.chat import load_tokenizer, read_conversations
+from stages.common.data.chat_prompts import prompt_ids, stop_ids
+from stages.common.contract.stage import StageResult, register_schema, setting, stage_main
+from stages.common.drafter.checkpoint import DrafterCheckpoint
+from stages.common.drafter.config import check_drafter_fits_target, parse_config, target_config
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.errors import RegraftError
+from stages.common.engines.sglang_backend import SglangConfig, accept_length, aux_convention_warning, run_sglang
+from stages.common.drafter.spec_decode import SpeculativeDecoder, greedy_generate
+from stages.common.drafter.target import TargetModel
+from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, check_engine, served_drafter
 
 BUILTIN_PROMPTS = [
     ["What does `os.path.join` do?"],
@@ -268,7 +268,8 @@ def measure_vllm(cfg: DictConfig, conversations: list[list[str]], tokenizer, dra
     per_position = [sum(row["accepted_per_pos"][i] for row in rows) for i in range(cfg.num_steps)]
     extra = {"accept_len_vllm": 1 + sum(row["accepted"] for row in rows) / max(drafts, 1),
              "import_seconds": engine.import_seconds, "startup_seconds": startup,
-             "plain_startup_seconds": engine.startup_seconds, **acceptance(per_position, drafts)}
+             "plain_startup_seconds": engine.startup_seconds, "start_wait_seconds": engine.waited_to_start_s,
+             **acceptance(per_position, drafts)}
     for row in rows:
         del row["prompt"], row["tokens"], row["accepted_per_pos"]
     return rows, extra
@@ -326,7 +327,8 @@ def run(cfg: DictConfig) -> StageResult:
         else None
     if drafter_config is None:
         raise RegraftError(drafter_path, "no drafter config.json", "give drafter= a drafter checkpoint folder")
-    parse_config(drafter_config, drafter_path / "config.json")  # every backend: refused before an engine starts
+    _, parsed = parse_config(drafter_config, drafter_path / "config.json")  # every backend: refused before an engine
+    # starts
     tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
     conversations = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed)
     # the vllm backend serves a converted copy in vLLM's convention, so only SGLang can read the ids wrong
@@ -347,7 +349,7 @@ def run(cfg: DictConfig) -> StageResult:
         write_rows(rows, staged.path / "per_prompt.csv")
         if backend is not Backend.sglang:
             plot_acceptance(metrics, cfg.num_steps, staged.path / "acceptance.png")
-        headline = f"accept_len {metrics['accept_len']:.2f} at {cfg.num_steps} draft steps"
+        headline = f"{parsed.describe()}: accept_len {metrics['accept_len']:.2f} at {cfg.num_steps} draft steps"
         if backend is Backend.vllm:
             headline += f" (vLLM's 1+accepted/drafts: {metrics['accept_len_vllm']:.2f})"
         headline += f", {metrics['tok_s']:.0f} tok/s"

@@ -1,12 +1,12 @@
 """regenerate stage: the new target answers the training prompts itself, as EAGLE-3 data is prepared, so the drafter
 learns the distribution it will draft for.
 
-In: `data` (chat JSONL, `{"messages": [...]}` per line, as stages/common/chat.py reads it, an optional `id`) and an
+In: `data` (chat JSONL, `{"messages": [...]}` per line, as stages/common/data/chat.py reads it, an optional `id`) and an
 engine. Each user turn is asked in order, on the history of the target's own earlier answers; system messages stay
 where they are, the data's assistant messages are dropped. Roles other than system/user/assistant, or no user turn,
 reject the sample unasked.
 - `engine=vllm`: vLLM's offline engine in the engine venv (`make venv-vllm`) on `target`. Prompts are rendered
-  here with the target's chat template (stages/common/chat_prompts.py) and asked turn depth by turn depth: each
+  here with the target's chat template (stages/common/data/chat_prompts.py) and asked turn depth by turn depth: each
   depth one batched generate over the samples of a chunk (`batch_size`) that have that many turns.
 - `engine=openai`: any OpenAI-compatible server (SGLang's, vLLM's) at `server_url`, `POST /v1/chat/completions`
   with `concurrency` requests in flight, each sample turn by turn; `extra_body` is merged into every request
@@ -53,15 +53,15 @@ from typing import Any, Iterable, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm import tqdm
 
-from stages.common.artifacts import engine_fields, plain_config, staged_output
-from stages.common.chat import batched, load_tokenizer, read_chat_records
-from stages.common.chat_prompts import context_length, prompt_ids, stop_ids
-from stages.common.credentials import DEFAULT_KEY_ENV, refuse_secrets
-from stages.common.data_parts import part_manifests, part_slice
-from stages.common.errors import RegraftError
-from stages.common.openai_client import Refused, chat_completion, served_models
-from stages.common.stage import StageResult, register_schema, setting, stage_main
-from stages.common.vllm_engine import VllmConfig, VllmEngine, check_engine
+from stages.common.contract.artifacts import engine_fields, plain_config, staged_output
+from stages.common.data.chat import batched, load_tokenizer, read_chat_records
+from stages.common.data.chat_prompts import context_length, prompt_ids, stop_ids
+from stages.common.engines.credentials import DEFAULT_KEY_ENV, refuse_secrets
+from stages.common.data.parts import part_manifests, part_slice
+from stages.common.contract.errors import RegraftError
+from stages.common.engines.openai_client import Refused, chat_completion, served_models
+from stages.common.contract.stage import StageResult, register_schema, setting, stage_main
+from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, check_engine
 
 WORK_FILE, SETTINGS_FILE = "samples.jsonl", "settings.json"
 ID_DIGITS = 16

@@ -23,13 +23,13 @@ from typing import Callable, Iterator, Optional
 import torch
 from omegaconf import MISSING, DictConfig
 
-from stages.common.artifacts import staged_output
-from stages.common.checkpoint import DrafterCheckpoint, write_drafter
-from stages.common.stage import StageResult, register_schema, stage_main
-from stages.common.errors import RegraftError
-from stages.common.tensor_io import ROWS_PER_CHUNK, TensorSpec, spec_of
-from stages.common.verifier import Verifier
-from stages.common.vocab import RemapPlan, VocabMap, compare_vocab_maps, load_vocab_map
+from stages.common.contract.artifacts import staged_output
+from stages.common.drafter.checkpoint import DrafterCheckpoint, write_drafter
+from stages.common.contract.stage import StageResult, register_schema, stage_main
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.tensor_io import ROWS_PER_CHUNK, TensorSpec, spec_of
+from stages.common.drafter.verifier import Verifier
+from stages.common.drafter.vocab import RemapPlan, VocabMap, compare_vocab_maps, load_vocab_map
 
 class Fallback(str, Enum):
     verifier = "verifier"
@@ -201,12 +201,12 @@ def run(cfg: DictConfig) -> StageResult:
         write_drafter(staged.path, config, tensors, layout)
         report = {"counts": asdict(counts), "comparison": asdict(comparison), "headline": comparison.headline(),
                   "fallback": Fallback(cfg.fallback).value, "layout": layout, "source_layout": source.layout,
-                  "aux_convention": config.aux_convention}
+                  "aux_convention": config.aux_convention, "family": config.describe()}
         (staged.path / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         staged.update(metrics=metrics, report=report, inputs={
             "drafter": str(Path(cfg.drafter).absolute()), "vocab_map": str(Path(cfg.vocab_map).absolute()),
             "verifier": cfg.verifier and str(Path(cfg.verifier).absolute())})
-    headline = (f"{counts.rows_remapped} rows remapped, {counts.rows_from_fallback} from {Fallback(cfg.fallback).value}, "
+    headline = (f"{config.describe()}: {counts.rows_remapped} rows remapped, {counts.rows_from_fallback} from {Fallback(cfg.fallback).value}, "
                 f"{counts.source_rows_dropped} source rows dropped")
     return StageResult(Path(cfg.out), metrics, headline)
 

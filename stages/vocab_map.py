@@ -25,13 +25,13 @@ import torch
 from omegaconf import MISSING, DictConfig
 from tqdm import tqdm
 
-from stages.common.artifacts import staged_output
-from stages.common.stage import StageResult, register_schema, setting, stage_main
-from stages.common.chat import batched, encode_chats, load_tokenizer, read_conversations
-from stages.common.data_parts import part_manifests, part_slice
-from stages.common.errors import RegraftError
-from stages.common.tensor_io import spec_of, write_safetensors
-from stages.common.vocab import VOCAB_MAP_FILE, build_vocab_map
+from stages.common.contract.artifacts import staged_output
+from stages.common.contract.stage import StageResult, register_schema, setting, stage_main
+from stages.common.data.chat import batched, encode_chats, load_tokenizer, read_conversations
+from stages.common.data.parts import part_manifests, part_slice
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.tensor_io import spec_of, write_safetensors
+from stages.common.drafter.vocab import VOCAB_MAP_FILE, build_vocab_map
 
 
 @dataclass

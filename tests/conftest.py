@@ -3,21 +3,21 @@ once per test session from the same code the built-in example uses."""
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from stages.common.contract.runtime import set_process_defaults
+
+set_process_defaults()
 
 from stages import finetune, vocab_map  # noqa: E402
-from stages.common.drafter_config import drafter_config_for  # noqa: E402
-from stages.common.eagle3 import Eagle3Drafter  # noqa: E402
-from stages.common.stage import compose_stage  # noqa: E402
-from stages.common.vocab import VocabMap  # noqa: E402
+from stages.common.drafter.config import drafter_config_for  # noqa: E402
+from stages.common.drafter.eagle3 import Eagle3Drafter  # noqa: E402
+from stages.common.contract.stage import compose_stage  # noqa: E402
+from stages.common.drafter.vocab import VocabMap  # noqa: E402
 from stages.world import toy  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
@@ -128,6 +128,15 @@ def engine_target(tokenizer_dir, chats, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("engine")
     raw = toy.tiny_llama(tokenizer_dir, folder / "raw", hidden_size=64, num_layers=4, num_heads=2)
     return toy.train_causal_lm(raw, chats, folder / "target", steps=60, max_length=48)
+
+
+@pytest.fixture(scope="session")
+def engine_mla_target(tokenizer_dir, chats, tmp_path_factory) -> Path:
+    """A trained DeepSeek-V3 target (MLA, MoE): vLLM's CPU build serves an MLA drafter only beside an MLA target (one
+    KV block size for both: CPU attention takes multiples of 32, its MLA kernel 16 only)."""
+    folder = tmp_path_factory.mktemp("engine_mla")
+    raw = toy.tiny_deepseek_v3(tokenizer_dir, folder / "raw")
+    return toy.train_causal_lm(raw, chats, folder / "target", steps=60, lr=1e-3, max_length=48)  # 3e-3 diverges
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,9 @@ from typing import Iterator
 
 import pytest
 
-from stages.common.engine_process import ServerProcess
-from stages.common.runtime import free_port
-from stages.common.vllm_engine import VllmConfig, engine_available
+from stages.common.engines.engine_process import ServerProcess
+from stages.common.contract.runtime import free_port
+from stages.common.engines.vllm_engine import VllmConfig, engine_available
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"

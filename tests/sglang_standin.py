@@ -1,6 +1,6 @@
 """A TEST STAND-IN for an SGLang server (SGLang itself cannot run on a CPU-only machine): no model, stdlib only.
 
-It accepts `python -m sglang.launch_server`'s flags as `stages.common.sglang_backend.server_command` builds them
+It accepts `python -m sglang.launch_server`'s flags as `stages.common.engines.sglang_backend.server_command` builds them
 (unknown extras are ignored), so the real lifecycle (Popen, process group, /health polling, stop) is exercised:
 
     python -m tests.sglang_standin --model-path T --speculative-algorithm EAGLE3 ... --host H --port P

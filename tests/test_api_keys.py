@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 
 from stages import regenerate
-from stages.common.credentials import DEFAULT_KEY_ENV
-from stages.common.drafter_config import drafter_config_for
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.errors import RegraftError
-from stages.common.openai_client import request_json, served_models
-from stages.common.stage import compose_stage
+from stages.common.engines.credentials import DEFAULT_KEY_ENV
+from stages.common.drafter.config import drafter_config_for
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.errors import RegraftError
+from stages.common.engines.openai_client import request_json, served_models
+from stages.common.contract.stage import compose_stage
 from tests.conftest import random_map
 from tests.test_probe_sglang import probe, record, standin_cfg  # noqa: F401 (record: the stand-in's fixture)
 from tests.servers import HOST, REPO, needs_engine, reply, vllm_server

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from stages.common.drafter_config import drafter_config_for
-from stages.common.eagle3 import Eagle3Drafter
+from stages.common.drafter.config import drafter_config_for
+from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.world import toy
 from tests.conftest import random_map, write_chats
 
@@ -84,6 +84,8 @@ BEFORE_ANY_WORK = [
     ("negative lr", ["finetune.lr=-1e-3"], {}, "finetune.lr=-0.001: must be > 0 (fix: set finetune.lr="),
     ("zero lr", ["finetune.lr=0"], {}, "finetune.lr=0.0: must be > 0"),
     ("zero max_steps", ["finetune.max_steps=0"], {}, "finetune.max_steps=0: must be >= 1"),
+    ("a drafter family regraft does not build", ["source.family=eagle4"], {},
+     "source.family=eagle4: not a drafter family (fix: choose one of eagle3, eagle3.1, mla, mla3.1)"),
     ("zero stage 5", ["finetune.deepspeed.zero_stage=5"], {}, "finetune.deepspeed.zero_stage=5: must be <= 3"),
     ("ranks the spawn mode cannot start", ["finetune.nproc=2"], {},
      "finetune.nproc=2: spawn=inprocess runs one rank (fix: set finetune.spawn=torchrun"),
@@ -157,7 +159,7 @@ def test_a_crash_that_is_no_input_regraft_checks_ends_as_one_line_inline(inputs,
     import stages.compare
     from pipelines.jobs import StageFailed
     from pipelines.pipeline import run_pipeline
-    from stages.common.stage import CONF_DIR
+    from stages.common.contract.stage import CONF_DIR
 
     def crash(cfg):
         raise ValueError("mat1 and mat2 shapes cannot be multiplied (4x96 and 64x32)")

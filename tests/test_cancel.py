@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 import pipelines.regraft  # noqa: F401  (registers every schema)
 from pipelines.cache import keys_for
 from pipelines.dag import build_nodes
-from stages.common.stage import CONF_DIR
+from stages.common.contract.stage import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["debug=tiny", "pipeline.probe=false", "pipeline.baseline=false", "pipeline.evaluate=false",

@@ -12,11 +12,11 @@ import torch
 
 from stages import vocab_map
 from stages.world import toy
-from stages.common.chat import encode_by_spans, encode_chats, load_tokenizer, read_conversations, \
+from stages.common.data.chat import encode_by_spans, encode_chats, load_tokenizer, read_conversations, \
     render_with_assistant_spans
-from stages.common.stage import compose_stage
-from stages.common.errors import RegraftError
-from stages.common.vocab import load_vocab_map
+from stages.common.contract.stage import compose_stage
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.vocab import load_vocab_map
 from tests import tiktoken_standin
 
 CONVERSATIONS = [

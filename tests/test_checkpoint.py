@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from stages.common.checkpoint import DrafterCheckpoint, convert_checkpoint, main as convert_main
-from stages.common.drafter_config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids, default_aux_layer_ids
-from stages.common.eagle3 import Eagle3Drafter, KVCache, rope
-from stages.common.errors import RegraftError
+from stages.common.drafter.checkpoint import DrafterCheckpoint, convert_checkpoint, main as convert_main
+from stages.common.drafter.config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids, default_aux_layer_ids
+from stages.common.drafter.eagle3 import Eagle3Drafter, KVCache, rope
+from stages.common.contract.errors import RegraftError
 from tests.conftest import random_map
 
 

@@ -11,7 +11,8 @@ from pipelines import cache
 
 STAGES = sorted(p.stem for p in (cache.ROOT / "stages").iterdir()
                 if p.name not in ("common", "__init__.py", "__pycache__") and (p.suffix == ".py" or p.is_dir()))
-COMMON = sorted(f"stages.common.{p.stem}" for p in (cache.ROOT / "stages" / "common").glob("*.py"))
+COMMON = sorted(".".join(p.relative_to(cache.ROOT).with_suffix("").parts)
+                for p in (cache.ROOT / "stages" / "common").rglob("*.py") if p.stem != "__init__")
 
 
 def test_the_stages_are_the_ones_the_pipeline_runs():
@@ -90,8 +91,9 @@ def versions() -> dict[str, str]:
     return {stage: cache.code_version(stage) for stage in STAGES}
 
 
-@pytest.mark.parametrize("edited", ["stages/common/spec_decode.py", "stages/common/ttt.py", "stages/world/toy.py",
-                                    "stages/common/vocab.py", "stages/finetune/guard.py", "stages/common/errors.py"])
+@pytest.mark.parametrize("edited", ["stages/common/drafter/spec_decode.py", "stages/common/drafter/ttt.py",
+                                    "stages/world/toy.py", "stages/common/drafter/vocab.py", "stages/finetune/guard.py",
+                                    "stages/common/contract/errors.py"])
 def test_editing_a_module_changes_exactly_the_keys_of_the_stages_that_run_it(copy_of_the_code, edited):
     before = versions()
     module = ".".join(Path(edited).with_suffix("").parts)
@@ -100,9 +102,10 @@ def test_editing_a_module_changes_exactly_the_keys_of_the_stages_that_run_it(cop
         source.write("\n# an edit\n")
     after = versions()
     assert {stage for stage in STAGES if before[stage] != after[stage]} == runs_it
-    expected = {"stages/common/spec_decode.py": {"probe"}, "stages/common/ttt.py": {"diagnose", "finetune"},
+    expected = {"stages/common/drafter/spec_decode.py": {"probe"},
+                "stages/common/drafter/ttt.py": {"diagnose", "finetune"},
                 "stages/world/toy.py": {"world"}, "stages/finetune/guard.py": {"finetune"},
-                "stages/common/errors.py": set(STAGES)}
+                "stages/common/contract/errors.py": set(STAGES)}
     if edited in expected:
         assert runs_it == expected[edited]
     else:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from stages.common.vocab import VocabMap, build_vocab_map, compare_vocab_maps
+from stages.common.drafter.vocab import VocabMap, build_vocab_map, compare_vocab_maps
 
 
 def vmap(ids: list[int], vocab_size: int = 20) -> VocabMap:

@@ -9,8 +9,8 @@ from hydra import compose, initialize_config_dir
 import pipelines.regraft  # noqa: F401  (registers every schema)
 from pipelines.cache import keys_for
 from pipelines.dag import Node, build_nodes, check_graph, resolve
-from stages.common.stage import CONF_DIR
-from stages.common.errors import RegraftError
+from stages.common.contract.stage import CONF_DIR
+from stages.common.contract.errors import RegraftError
 
 
 def nodes_for(*overrides: str) -> list[Node]:
@@ -51,7 +51,7 @@ def test_the_built_in_source_drafter_is_trained_by_the_finetune_stage_on_target_
     ("probe.num_steps=5", {"probe", "evaluate", "baseline_evaluate"}),  # one measurement for both phases
     ("vocab_map.draft_vocab_size=512", {"vocab_map", "compare", "remap", "diagnose", "finetune", "evaluate",
                                         "baseline_finetune", "baseline_evaluate"}),
-    ("source.build.steps=30", {"source_drafter", "probe", "compare", "remap", "diagnose", "features", "finetune",
+    ("source.build.finetune.max_steps=30", {"source_drafter", "probe", "compare", "remap", "diagnose", "features", "finetune",
                                "evaluate",
                                "baseline_finetune", "baseline_evaluate"}),  # features reads its aux layers
     ("world.seed=1", {"world", "source_map", "source_drafter", "probe", "vocab_map", "compare", "remap",
@@ -82,6 +82,21 @@ def test_regenerate_is_off_by_default_and_when_on_feeds_everything_that_trains()
     online = {node.name: node for node in nodes_for("pipeline.regenerate=true", "pipeline.offline=false")}
     assert online["finetune"].config.data == online["baseline_finetune"].config.data == "@regenerate/regenerated.jsonl"
     assert nodes["probe"].config.prompts == "@world/prompts_b.jsonl"  # the held-out prompts stay as they are
+
+
+def test_online_features_have_no_features_node_and_fine_tunes_that_ask_a_server():
+    offline = {node.name: node for node in nodes_for()}
+    assert offline["finetune"].config.features == "@features" and not offline["finetune"].config.engine.enabled
+    online = {node.name: node for node in nodes_for("features.mode=online", "finetune.engine.prefetch=4")}
+    assert "features" not in online
+    for name in ("finetune", "baseline_finetune"):
+        config = online[name].config
+        assert (config.features, config.data, config.engine.enabled) == (None, "@world/data_b.jsonl", True)
+        assert config.engine.prefetch == 4
+    kimi = {node.name: node for node in nodes_for("experiment=kimi_k25", "features.mode=online")}["finetune"].config
+    assert (kimi.engine.connector, kimi.engine.dtype, kimi.engine.vllm.tensor_parallel_size) == ("stock", "bfloat16", 8)
+    in_process = {node.name: node for node in nodes_for("features.mode=online", "pipeline.offline=false")}
+    assert "features" not in in_process and not in_process["finetune"].config.engine.enabled
 
 
 def test_a_regenerate_option_changes_the_keys_of_what_trains_on_its_answers_only():

@@ -1,4 +1,4 @@
-"""The built-in world is the same on every x86 CPU (stages.common.runtime.SAME_ON_EVERY_CPU): built in fresh
+"""The built-in world is the same on every x86 CPU (stages.common.contract.runtime.SAME_ON_EVERY_CPU): built in fresh
 interpreters that would each compute another way on their own (another ATen kernel build, another MKL setting,
 another thread count), world=tiny comes out with one digest, the one tests/test_world.py pins."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stages.common.runtime import SAME_ON_EVERY_CPU
+from stages.common.contract.runtime import SAME_ON_EVERY_CPU
 from tests.test_world import TINY_WORLD_DIGEST
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,7 +18,7 @@ ANOTHER_CPU = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "AUTO", "MKL_ENABLE
                "OMP_NUM_THREADS": "2"}
 PROBE = """
 import hashlib, json, sys, torch
-from stages.common.runtime import same_on_every_cpu
+from stages.common.contract.runtime import same_on_every_cpu
 cpu = same_on_every_cpu() if sys.argv[1] == "settings" else {}
 g = torch.Generator().manual_seed(0)
 x, w = torch.randn(64, 96, generator=g), torch.randn(128, 96, generator=g)
@@ -28,7 +28,7 @@ print(json.dumps({"cpu": cpu, "sha": hashlib.sha256(y.numpy().tobytes()).hexdige
 TINY_WORLD = """
 import sys
 from stages import world
-from stages.common.stage import compose_stage
+from stages.common.contract.stage import compose_stage
 world.run(compose_stage("world", [f"out={sys.argv[1]}"], option="tiny"))
 """
 

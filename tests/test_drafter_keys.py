@@ -1,7 +1,7 @@
 """A drafter is decoded the way its engines decode it, or refused: every stage that reads a drafter refuses a config
-key that changes the drafter's function and that regraft does not implement (EAGLE-3.1's `norm_output`, a key no one
-listed), with one line naming the file and the key; the same key at its plain value, and real plain EAGLE-3
-configs, are read as before."""
+key that changes the drafter's function and that regraft does not implement (a GELU MLP, a key no one listed), with
+one line naming the file and the key; the same key at its plain value, and real plain EAGLE-3 configs, are read as
+before. The EAGLE-3.1 toggles are implemented (tests/test_families.py): a config that sets one needs its tensors."""
 from __future__ import annotations
 
 import json
@@ -12,18 +12,18 @@ from typing import Callable
 import pytest
 
 from stages import diagnose, features, finetune, probe, remap
-from stages.common.checkpoint import DrafterCheckpoint, convert_checkpoint
-from stages.common.checkpoint import main as convert_main
-from stages.common.errors import RegraftError
-from stages.common.stage import compose_stage
-from stages.common.vllm_engine import engine_available
+from stages.common.drafter.checkpoint import DrafterCheckpoint, convert_checkpoint
+from stages.common.drafter.checkpoint import main as convert_main
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.stage import compose_stage
+from stages.common.engines.vllm_engine import engine_available
 from tests.conftest import finetune_cfg, random_map
 
 # (what is changed, where in config.json, the key the refusal names)
 BAD = {
-    "norm_output": ((), "norm_output", True),  # EAGLE-3.1: vLLM 0.32 applies it, regraft's decoder would not
+    "function": ((), "hidden_act", "gelu"),  # vLLM builds the MLP it names; regraft's is SiLU
     "unknown": ((), "attn_temperature", 0.7),  # a key no one listed: it may change the function
-    "nested": (("eagle_config",), "norm_before_fc", True),  # NVIDIA's drafters nest it there (vLLM #42143)
+    "nested": (("eagle_config",), "use_aux_hidden_state", False),  # vLLM drops fc then; regraft always has it
 }
 
 
@@ -40,14 +40,14 @@ def edited(source: Path, dest: Path, path: tuple[str, ...], key: str, value) -> 
 
 @pytest.fixture(scope="module")
 def drafters(target_dir, vocab_size, tmp_path_factory) -> dict[str, Path]:
-    from stages.common.drafter_config import drafter_config_for
-    from stages.common.eagle3 import Eagle3Drafter
+    from stages.common.drafter.config import drafter_config_for
+    from stages.common.drafter.eagle3 import Eagle3Drafter
 
     root = tmp_path_factory.mktemp("drafter_keys")
     good = Eagle3Drafter.initialised(drafter_config_for(target_dir, 64), random_map(vocab_size, 64, 0)).save(
         root / "good")
     made = {name: edited(good, root / name, *change) for name, change in BAD.items()}
-    made["plain_flag"] = edited(good, root / "plain_flag", (), "norm_output", False)
+    made["plain_flag"] = edited(good, root / "plain_flag", (), "mlp_bias", False)
     return {"good": good, **made}
 
 
@@ -61,26 +61,29 @@ def test_each_kind_of_key_is_refused_on_open_and_named(drafters):
             DrafterCheckpoint.open(drafters[name])
         one_line(str(refused.value), drafters[name], ".".join((*path, key)))
     assert "changes how the drafter decodes" in str(pytest.raises(
-        RegraftError, DrafterCheckpoint.open, drafters["norm_output"]).value)
+        RegraftError, DrafterCheckpoint.open, drafters["function"]).value)
     assert "unknown drafter config key attn_temperature" in str(pytest.raises(
         RegraftError, DrafterCheckpoint.open, drafters["unknown"]).value)
 
 
 def test_a_flag_at_its_plain_value_is_read_and_kept(drafters, tmp_path):
-    assert DrafterCheckpoint.open(drafters["plain_flag"]).config.layer["norm_output"] is False
+    assert DrafterCheckpoint.open(drafters["plain_flag"]).config.layer["mlp_bias"] is False
     spec = convert_checkpoint(drafters["plain_flag"], tmp_path / "spec", "speculators")
     back = convert_checkpoint(spec, tmp_path / "back", "sglang")
-    assert json.loads((back / "config.json").read_text())["norm_output"] is False
+    assert json.loads((back / "config.json").read_text())["mlp_bias"] is False
 
 
 def test_speculators_layer_config_keys_are_checked_too(drafters, tmp_path):
     spec = convert_checkpoint(drafters["good"], tmp_path / "spec", "speculators")
     bad = edited(spec, tmp_path / "bad", ("transformer_layer_config",), "kv_lora_rank", 512)  # an MLA layer
-    with pytest.raises(RegraftError, match=r"transformer_layer_config\.kv_lora_rank=512 changes how"):
+    with pytest.raises(RegraftError, match=r"transformer_layer_config\.kv_lora_rank=512: an MLA layer"):
         DrafterCheckpoint.open(bad)
+    wrong = edited(spec, tmp_path / "wrong", ("transformer_layer_config",), "hidden_act", "gelu")
+    with pytest.raises(RegraftError, match=r"transformer_layer_config\.hidden_act=\"gelu\" changes how"):
+        DrafterCheckpoint.open(wrong)
     top = edited(spec, tmp_path / "top", (), "fc_norm", True)  # speculators puts the EAGLE-3.1 toggles at the top
-    with pytest.raises(RegraftError, match=r"fc_norm=true changes how"):
-        DrafterCheckpoint.open(top)
+    with pytest.raises(RegraftError, match=r"missing tensors \['fc_norm\.0\.weight', 'fc_norm\.1\.weight'"):
+        DrafterCheckpoint.open(top)  # read as EAGLE-3.1, whose per-aux norms these weights lack
 
 
 # The configs real plain EAGLE-3 drafters ship (SpecForge configs/kimi-k2-eagle3.json, llama3-8B-eagle3.json), at a
@@ -102,7 +105,7 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLMEagle3"], "bos_token_id": 128000
 
 
 def test_real_plain_eagle3_configs_are_accepted():
-    from stages.common.drafter_config import parse_config
+    from stages.common.drafter.config import parse_config
 
     for raw in (KIMI_K2, LLAMA3_8B, {**KIMI_K2, "dtype": "bfloat16", "mlp_bias": False, "pretraining_tp": 1}):
         parse_config(json.loads(json.dumps(raw)), Path("config.json"))
@@ -152,7 +155,7 @@ def run_preflight(drafter, fx, out):
     from hydra import compose, initialize_config_dir
 
     from pipelines.preflight import check_models
-    from stages.common.stage import CONF_DIR
+    from stages.common.contract.stage import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"paths.outputs={out}", "source.build=null", f"source.path={drafter}",
@@ -172,7 +175,7 @@ def inputs(target_dir, chats, training_map) -> dict:
     return {"target": target_dir, "chats": chats, "map": training_map}
 
 
-@pytest.mark.parametrize("bad", ["norm_output", "unknown"])
+@pytest.mark.parametrize("bad", ["function", "unknown"])
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_every_stage_that_reads_a_drafter_refuses_it(stage, bad, drafters, inputs, tmp_path):
     if stage == "probe_vllm" and not engine_available():
@@ -183,7 +186,7 @@ def test_every_stage_that_reads_a_drafter_refuses_it(stage, bad, drafters, input
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("bad", ["norm_output", "unknown"])
+@pytest.mark.parametrize("bad", ["function", "unknown"])
 def test_the_convert_command_refuses_it_in_one_line(bad, drafters, tmp_path, capsys):
     assert convert_main([str(drafters[bad]), str(tmp_path / "out"), "--layout", "speculators"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()

@@ -1,4 +1,4 @@
-"""Drift measures and the closed-form re-alignment (stages/common/drift.py), on a target whose residual stream is
+"""Drift measures and the closed-form re-alignment (stages/common/drafter/drift.py), on a target whose residual stream is
 rotated: the same function, every hidden state h Q. There the exact answer is known: CKA 1 (a rotation), the ridge
 map recovers Q^T (R^2 1), and the realigned drafter on the rotated target gives the source drafter's own loss."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stages.common import drift
-from stages.common.chat import load_tokenizer, tokenized_chats
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.target import TargetModel
-from stages.common.ttt import draft_vocab_ids, ttt_forward
+from stages.common.drafter import drift
+from stages.common.data.chat import load_tokenizer, tokenized_chats
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.drafter.target import TargetModel
+from stages.common.drafter.ttt import draft_vocab_ids, ttt_forward
 from stages.world.toy import rotate_residual_stream
 
 
@@ -89,7 +89,7 @@ def test_realigning_onto_a_rotated_target_restores_the_drafters_loss(trained_tar
 def test_diagnose_measures_the_rotation_and_writes_a_drafter_that_undoes_it(trained_target, rotated, scratch_run,
                                                                           chats, training_map, tmp_path):
     from stages import diagnose
-    from stages.common.stage import compose_stage
+    from stages.common.contract.stage import compose_stage
 
     common = [f"drafter={scratch_run[0] / 'drafter'}", f"target={rotated[0]}", f"data={chats}",
               f"vocab_map={training_map}", "max_length=48", "max_rows=48", "ridge=1e-8"]

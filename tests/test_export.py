@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from stages import remap
-from stages.common.artifacts import staged_output
-from stages.common.checkpoint import DrafterCheckpoint, convert_checkpoint
-from stages.common.checkpoint import main as convert_main
-from stages.common.stage import compose_stage
-from stages.common.vllm_engine import VllmConfig, VllmEngine, engine_available
+from stages.common.contract.artifacts import staged_output
+from stages.common.drafter.checkpoint import DrafterCheckpoint, convert_checkpoint
+from stages.common.drafter.checkpoint import main as convert_main
+from stages.common.contract.stage import compose_stage
+from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, engine_available
 from tests.conftest import random_map
 from tests.test_dag import nodes_for
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.cache import CacheCheck
-from stages.common.artifacts import read_manifest, sha256_of, staged_output
+from stages.common.contract.artifacts import read_manifest, sha256_of, staged_output
 from tests.mlflow_checks import check_store, free_port, start_mlflow_server, stop_mlflow_server
 
 ROOT = Path(__file__).resolve().parents[1]

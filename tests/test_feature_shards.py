@@ -12,16 +12,17 @@ import pytest
 import torch
 
 from stages import features, finetune
-from stages.common.artifacts import read_manifest, staged_output, write_json_atomic
-from stages.common.drafter_config import drafter_config_for
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.errors import RegraftError
-from stages.common.feature_shards import (LastHidden, ShardWriter, final_state_positions, load_features,
-                                          open_features, shard_path, write_shard)
-from stages.common.stage import compose_stage
-from stages.common.target import TargetHead
-from stages.common.ttt import LossMask, loss_gates
-from stages.common.vocab import load_vocab_map
+from stages.common.contract.artifacts import read_manifest, staged_output, write_json_atomic
+from stages.common.drafter.config import drafter_config_for
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.errors import RegraftError
+from stages.common.data.feature_shards import (LastHidden, Layout, ShardWriter, final_state_positions,
+                                               load_features, open_features, shard_path, stored_positions,
+                                               write_shard)
+from stages.common.contract.stage import compose_stage
+from stages.common.drafter.target import TargetHead
+from stages.common.drafter.ttt import LossMask, loss_gates
+from stages.common.drafter.vocab import load_vocab_map
 from stages.finetune.loop import micro_batches, run_ttt, split
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,26 +40,46 @@ def answers_mask(rows: int, length: int, seed: int) -> torch.Tensor:
     return mask
 
 
-def random_rows(rows: int, length: int, hidden: int, seed: int) -> dict[str, torch.Tensor]:
+PAD = 7
+
+
+def random_rows(rows: int, length: int, hidden: int, seed: int, ragged: bool = False) -> dict[str, torch.Tensor]:
+    """Rows as the target ran them; `ragged`: right-padded to `length` (some full, some of one token), the pads
+    with the pad id and no loss, their states what a target computes there (not zeros)."""
     generator = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, 100, (rows, length), generator=generator),
-            "attention_mask": torch.ones(rows, length, dtype=torch.bool),
-            "loss_mask": answers_mask(rows, length, seed),
+    lengths = torch.randint(1, length + 1, (rows,), generator=generator) if ragged else torch.full((rows,), length)
+    lengths[:2] = torch.tensor([length, 1])[:rows] if ragged else lengths[:2]
+    real = torch.arange(length)[None] < lengths[:, None]
+    return {"input_ids": torch.randint(0, 100, (rows, length), generator=generator).where(real, PAD),
+            "attention_mask": real,
+            "loss_mask": answers_mask(rows, length, seed) & real,
             "aux_hidden": torch.randn(rows, length, 3 * hidden, generator=generator),
             "last_hidden": torch.randn(rows, length, hidden, generator=generator)}
 
 
+def as_read(rows: dict[str, torch.Tensor], layout: str, last_hidden: str) -> dict[str, torch.Tensor]:
+    """What a take returns for written `rows`: ragged rows hold zeros past the position after their tokens, and
+    loss_masked ones zero final states where no loss reads them."""
+    rows = dict(rows)
+    if layout == "ragged":
+        stored = stored_positions(rows["attention_mask"])[1]
+        rows.update({name: rows[name] * stored[..., None] for name in ("aux_hidden", "last_hidden")})
+    if last_hidden == "loss_masked":
+        rows["last_hidden"] = rows["last_hidden"] * final_state_positions(rows["loss_mask"])[..., None]
+    return rows
+
+
 def write_features(out: Path, rows: dict[str, torch.Tensor], rows_per_shard: int, last_hidden: str,
-                   batch: int = 5) -> dict:
+                   batch: int = 5, layout: str = "ragged") -> dict:
     """A features output as the stage writes it: shards by the stage's writer, then its manifest fields."""
     out.mkdir(parents=True)
-    writer = ShardWriter(out, rows_per_shard, last_hidden)
+    writer = ShardWriter(out, rows_per_shard, last_hidden, layout)
     for start in range(0, rows["input_ids"].shape[0], batch):
         writer.add({name: tensor[start:start + batch] for name, tensor in rows.items()})
     metrics = writer.close().metrics()
     write_json_atomic(out / "manifest.json", {"stage": "features", "complete": True, "aux_layer_ids": [1, 2, 3],
                                               "max_length": rows["input_ids"].shape[1], "last_hidden": last_hidden,
-                                              "metrics": metrics})
+                                              "layout": layout, "metrics": metrics})
     return metrics
 
 
@@ -75,23 +96,36 @@ def test_final_state_positions_cover_every_loss_rule():
     assert keep.sum() < mask.numel() * 0.8 and torch.equal(keep & mask, mask)
 
 
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
 @pytest.mark.parametrize("last_hidden", ["all", "loss_masked"])
-def test_rows_come_back_as_written_from_any_shards_in_any_order(tmp_path, last_hidden):
-    rows = random_rows(23, 12, 8, seed=0)
-    metrics = write_features(tmp_path / "f", rows, rows_per_shard=4, last_hidden=last_hidden)
+def test_rows_come_back_as_written_from_any_shards_in_any_order(tmp_path, last_hidden, layout):
+    rows = random_rows(23, 12, 8, seed=0, ragged=True)
+    metrics = write_features(tmp_path / "f", rows, rows_per_shard=4, last_hidden=last_hidden, layout=layout)
     assert metrics["shards"] == 6 and len(list((tmp_path / "f").glob("features-*.safetensors"))) == 6
     source = open_features(tmp_path / "f", [1, 2, 3], 12)
     assert len(source) == 23
     picked = torch.tensor([22, 0, 5, 4, 5, 13, 7, 21, 1])  # across shards, out of order, one twice
     taken = source.take(picked)
-    expected = {name: tensor[picked] for name, tensor in rows.items()}
-    if last_hidden == "loss_masked":
-        expected["last_hidden"] = expected["last_hidden"] * final_state_positions(expected["loss_mask"])[..., None]
+    expected = {name: tensor[picked] for name, tensor in as_read(rows, layout, last_hidden).items()}
     assert taken.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(taken[name], tensor), name
     every = load_features(tmp_path / "f", [1, 2, 3], 12)
-    assert torch.equal(every["aux_hidden"], rows["aux_hidden"])
+    assert torch.equal(every["aux_hidden"], as_read(rows, layout, last_hidden)["aux_hidden"])
+
+
+def test_ragged_shards_store_the_tokens_and_one_position_after_each_row(tmp_path):
+    rows = random_rows(40, 16, 8, seed=4, ragged=True)
+    ragged, padded = (write_features(tmp_path / layout, rows, 10, "all", layout=layout)
+                      for layout in ("ragged", "padded"))
+    lengths = rows["attention_mask"].sum(1)
+    assert ragged["stored_positions"] == int((lengths + 1).clamp(max=16).sum()) and padded["stored_positions"] == 640
+    assert ragged["bytes_per_token"] == padded["bytes_per_token"] == 4 * 8 * 4
+    assert padded["bytes_vs_tokens"] == pytest.approx(padded["bytes"] / (int(lengths.sum()) * 128))
+    per_position = 4 * 8 * 4 + 8 + 1  # the states, the token id and the loss mask
+    index = 4 * (2 * 10 + 1) * 8  # row_offsets and lengths, int64, per shard of 10 rows
+    assert 0 < ragged["bytes"] - ragged["stored_positions"] * per_position - index < 4 * 1024  # the headers
+    assert padded["bytes_vs_tokens"] > 1.9 and ragged["bytes_vs_tokens"] < 1.26  # 8-wide states: the ids weigh
 
 
 def test_loss_masked_shards_store_only_the_kept_final_states(tmp_path):
@@ -115,49 +149,61 @@ def test_opening_checks_the_manifest_and_the_shards(tmp_path):
     with pytest.raises(RegraftError, match="not a complete features stage output"):
         open_features(tmp_path, [1, 2, 3], 12)
     write_shard(shard_path(tmp_path / "f", 0), rows)  # a last_hidden=all shard where the manifest says loss_masked
-    with pytest.raises(RegraftError, match="a last_hidden=loss_masked shard holds"):
+    with pytest.raises(RegraftError, match="a layout=ragged last_hidden=loss_masked shard holds"):
         open_features(tmp_path / "f", [1, 2, 3], 12)
 
 
-def test_a_finetune_on_loss_masked_features_matches_one_on_all(trained_target, chats, training_map, tmp_path):
-    """Same step-0 numbers for every loss rule, the same trained weights, and files smaller by the final states of
-    the positions no loss reads."""
+STORAGES = [(layout, mode) for layout in Layout for mode in LastHidden]  # ragged/all first: the defaults
+
+
+def test_a_finetune_on_ragged_or_loss_masked_features_matches_one_on_padded_rows(trained_target, chats,
+                                                                                  training_map, tmp_path):
+    """Same step-0 numbers for every loss rule, the same trained weights, bit for bit, from every layout and
+    last_hidden; ragged files within 5% of the real tokens' states, padded ones not; loss_masked ones smaller by the
+    final states of the positions no loss reads."""
     stored = {}
-    for mode in LastHidden:
-        result = features.run(compose_stage("features", [f"target={trained_target}", f"data={chats}",
-                                                         f"out={tmp_path / mode.value}", "max_length=48",
-                                                         "rows_per_shard=16", f"last_hidden={mode.value}"]))
-        stored[mode] = result.metrics
-        assert read_manifest(tmp_path / mode.value)["last_hidden"] == mode.value
-    full, masked = stored[LastHidden.all], stored[LastHidden.loss_masked]
+    for layout, mode in STORAGES:
+        out = tmp_path / f"{layout.value}-{mode.value}"
+        result = features.run(compose_stage("features", [f"target={trained_target}", f"data={chats}", f"out={out}",
+                                                         "max_length=48", "rows_per_shard=16",
+                                                         f"last_hidden={mode.value}", f"layout={layout.value}"]))
+        stored[layout, mode] = result.metrics
+        assert (read_manifest(out)["layout"], read_manifest(out)["last_hidden"]) == (layout.value, mode.value)
     hidden = json.loads((trained_target / "config.json").read_text())["hidden_size"]
-    assert full["bytes_per_token"] == 4 * hidden * 4  # fp32 on CPU
-    skipped = (1 - masked["final_states_stored"]) * full["rows"] * 48  # positions without a final state
-    assert full["bytes"] - masked["bytes"] == pytest.approx(skipped * hidden * 4, rel=0.02)
-    assert masked["bytes_per_token"] == (3 + masked["final_states_stored"]) * hidden * 4
-    assert 0 < masked["final_states_stored"] < 0.8  # these chats: 0.75 (long answers, one short question)
+    for layout in Layout:
+        full, masked = stored[layout, LastHidden.all], stored[layout, LastHidden.loss_masked]
+        assert full["bytes_per_token"] == 4 * hidden * 4  # fp32 on CPU
+        skipped = (1 - masked["final_states_stored"]) * full["stored_positions"]  # positions without a final state
+        assert full["bytes"] - masked["bytes"] == pytest.approx(skipped * hidden * 4, rel=0.02)
+        assert masked["bytes_per_token"] == (3 + masked["final_states_stored"]) * hidden * 4
+    padded = stored[Layout.padded, LastHidden.all]
+    assert padded["stored_positions"] == padded["rows"] * 48
+    assert stored[Layout.ragged, LastHidden.all]["bytes_vs_tokens"] <= 1.05  # these chats: 1.04 (tokens + 1 a row)
+    assert padded["bytes_vs_tokens"] > 1.15  # rows near max_length: 1.16
 
     drafter = Eagle3Drafter.initialised(drafter_config_for(trained_target, 64), load_vocab_map(training_map), seed=0)
-    layers = read_manifest(tmp_path / "all")["aux_layer_ids"]
+    layers = read_manifest(tmp_path / "padded-all")["aux_layer_ids"]
     head = TargetHead(trained_target)
-    sources = {mode: open_features(tmp_path / mode.value, layers, 48) for mode in LastHidden}
+    sources = {storage: open_features(tmp_path / f"{storage[0].value}-{storage[1].value}", layers, 48)
+               for storage in STORAGES}
     with torch.no_grad():
         for rule in LossMask:
-            batches = [next(micro_batches(split(sources[mode], 0.2, 0)[0], 8, 0, 0, 0, 1)) for mode in LastHidden]
-            a, b = (run_ttt(drafter, head, batch, 3, rule) for batch in batches)
-            assert a.metrics() == b.metrics() and a.valid.sum() > 0, rule
+            batches = [next(micro_batches(split(sources[storage], 0.2, 0)[0], 8, 0, 0, 0, 1)) for storage in STORAGES]
+            reference, *others = (run_ttt(drafter, head, batch, 3, rule).metrics() for batch in batches)
+            assert all(metrics == reference for metrics in others) and reference["full_acc_0"] > 0, rule
 
     common = [f"target={trained_target}", f"vocab_map={training_map}", "init=scratch", "ttt_steps=3",
               "micro_batch_size=4", "max_length=48", "lr=3e-3", "val_fraction=0.2", "max_steps=4"]
-    runs = {mode: finetune.run(compose_stage("finetune", common + [f"features={tmp_path / mode.value}",
-                                                                   f"out={tmp_path / ('ft_' + mode.value)}"]))
-            for mode in LastHidden}
-    assert {"preflight_loss_0", "preflight_full_acc_0", "val_loss"} <= set(runs[LastHidden.all].metrics)
-    assert runs[LastHidden.all].metrics == runs[LastHidden.loss_masked].metrics  # preflight step-0 and val numbers
-    weights = {mode: Eagle3Drafter.from_checkpoint(tmp_path / f"ft_{mode.value}" / "drafter").state_dict()
-               for mode in LastHidden}
-    for name, tensor in weights[LastHidden.all].items():
-        assert torch.equal(tensor, weights[LastHidden.loss_masked][name]), name
+    runs = {storage: finetune.run(compose_stage("finetune", common + [
+        f"features={tmp_path / f'{storage[0].value}-{storage[1].value}'}", f"out={tmp_path / 'ft' / str(index)}"]))
+        for index, storage in enumerate(STORAGES)}
+    reference = runs[Layout.padded, LastHidden.all].metrics
+    assert {"preflight_loss_0", "preflight_full_acc_0", "val_loss"} <= set(reference)
+    assert all(run.metrics == reference for run in runs.values())  # preflight step-0 and val numbers
+    weights = [Eagle3Drafter.from_checkpoint(tmp_path / "ft" / str(index) / "drafter").state_dict()
+               for index in range(len(STORAGES))]
+    for name, tensor in weights[0].items():
+        assert all(torch.equal(tensor, other[name]) for other in weights[1:]), name
 
 
 # ---------------------------------------------------------------- memory
@@ -168,7 +214,7 @@ RSS_LENGTH, RSS_BATCH = 128, 128  # tokens per row, rows per micro-batch
 PEAK_RSS_RUNNER = """
 import json, os, sys, traceback
 from stages import finetune
-from stages.common.stage import compose_stage
+from stages.common.contract.stage import compose_stage
 finetune.use_built_cpu_ops()
 import deepspeed  # noqa: F401
 peaks = []
@@ -209,7 +255,7 @@ def synthetic_features(out: Path, target: Path, rows: int) -> int:
                         "loss_mask": answers_mask(1, RSS_LENGTH, row), "aux_hidden": aux, "last_hidden": last})
         stored = writer.close()
         staged.update(metrics={"rows": rows, **stored.metrics()}, aux_layer_ids=config.aux_layer_ids,
-                      aux_convention=config.aux_convention, max_length=RSS_LENGTH, last_hidden="all")
+                      aux_convention=config.aux_convention, max_length=RSS_LENGTH, last_hidden="all", layout="ragged")
     return stored.bytes
 
 

@@ -8,16 +8,15 @@ magnitude ~10, 1e-6 relative per token. The test allows 1e-4 relative per token.
 """
 from __future__ import annotations
 
-import glob
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from stages import features, finetune
-from stages.common.stage import compose_stage
-from stages.common.vllm_engine import engine_available
+from stages.common.contract.artifacts import read_manifest
+from stages.common.data.feature_shards import load_features
+from stages.common.contract.stage import compose_stage
+from stages.common.engines.vllm_engine import engine_available
 from tests.test_finetune import read_metrics
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow,
@@ -25,8 +24,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow,
 
 
 def shards(folder: Path) -> dict[str, torch.Tensor]:
-    files = [load_file(path) for path in sorted(glob.glob(str(folder / "features-*.safetensors")))]
-    return {name: torch.cat([f[name] for f in files]) for name in files[0]}
+    """Every row of a features output, padded as a fine-tune reads them."""
+    manifest = read_manifest(folder)
+    return load_features(folder, manifest["aux_layer_ids"], manifest["max_length"])
 
 
 @pytest.fixture(scope="module")

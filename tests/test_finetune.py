@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from stages import features, finetune, remap
-from stages.common.stage import compose_stage
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.errors import RegraftError
-from stages.common.vocab import VocabMap, load_vocab_map
+from stages.common.contract.stage import compose_stage
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.vocab import VocabMap, load_vocab_map
 from tests.conftest import finetune_cfg
 
 
@@ -166,7 +166,7 @@ def test_each_deepspeed_preset_reaches_the_engine(preset):
     from hydra import compose, initialize_config_dir
 
     import pipelines.regraft  # noqa: F401  (registers every schema)
-    from stages.common.stage import CONF_DIR
+    from stages.common.contract.stage import CONF_DIR
     from stages.finetune import init_distributed
     from stages.finetune.loop import deepspeed_config
 

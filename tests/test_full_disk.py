@@ -107,7 +107,7 @@ def test_a_disk_full_from_the_start_ends_with_one_line(small_disk):
 # Without a disk to fill: how each kind of full-disk error becomes the one line (no root needed).
 
 def test_a_write_error_names_its_file_or_else_the_folder_being_written(tmp_path):
-    from stages.common.errors import disk_full
+    from stages.common.contract.errors import disk_full
 
     named = disk_full(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "a.bin")), tmp_path)
     assert str(named).startswith(f"{tmp_path / 'a.bin'}: no space left on device (fix: free space on that ")
@@ -128,7 +128,7 @@ def test_a_write_error_names_its_file_or_else_the_folder_being_written(tmp_path)
 
 def test_a_stage_that_fills_the_disk_leaves_the_line_and_raises_it(tmp_path, capsys):
     from pipelines.jobs import STAGE_ERROR, reported_error, reporting_failure
-    from stages.common.errors import RegraftError
+    from stages.common.contract.errors import RegraftError
 
     with pytest.raises(RegraftError) as raised:
         with reporting_failure("features", tmp_path / "out"):

@@ -12,8 +12,8 @@ import pipelines.regraft  # noqa: F401  (registers every schema, for compose)
 from pipelines.dag import Node, build_nodes
 from pipelines.launchers import LocalLauncher, SlurmLauncher, make_launcher
 from pipelines.race import Candidate, rung_node
-from stages.common.errors import RegraftError
-from stages.common.stage import CONF_DIR
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.stage import CONF_DIR
 
 
 def composed(*overrides: str):

@@ -16,10 +16,10 @@ from pipelines.dag import build_nodes
 from pipelines.launchers import InlineLauncher
 from pipelines.runner import run_dag
 from stages import features
-from stages.common.artifacts import read_manifest
-from stages.common.errors import RegraftError
-from stages.common.feature_shards import load_features
-from stages.common.stage import CONF_DIR, compose_stage
+from stages.common.contract.artifacts import read_manifest
+from stages.common.contract.errors import RegraftError
+from stages.common.data.feature_shards import load_features
+from stages.common.contract.stage import CONF_DIR, compose_stage
 
 
 def prepared(outputs: Path, parts: int) -> dict:
@@ -86,7 +86,7 @@ def test_parts_past_the_samples_are_refused_with_the_fix(tmp_path):
 
 
 def test_parts_cover_the_data_in_order_and_bad_counts_name_the_setting():
-    from stages.common.data_parts import part_slice
+    from stages.common.data.parts import part_slice
 
     parts = [part_slice(10, part, 3, "features") for part in range(3)]
     assert [(part.start, part.stop) for part in parts] == [(0, 3), (3, 6), (6, 10)]

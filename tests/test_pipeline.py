@@ -227,3 +227,23 @@ def test_sigterm_cancels_the_running_stages_and_marks_the_runs_killed(tmp_path):
     assert not leftovers()
     world = tmp_path / "cache" / "world"
     assert list(world.glob("*.lock")) and not list(world.glob("*/manifest.json"))  # stopped inside, never complete
+
+
+@pytest.mark.parametrize("family", ["eagle3.1", "mla", "mla3.1"])
+def test_the_whole_pipeline_runs_on_every_drafter_family(family, first_run, outputs):
+    """source.build.family: the built-in source drafter, its remap, diagnose's re-alignment, both fine-tunes and the
+    three measurements all of that family (the baseline is built from scratch in the source's family)."""
+    done = regraft(outputs, f"source.build.family={family}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = last_summary(outputs)
+    assert list(summary["stages"]) == NODES
+    assert ran(summary) == set(NODES) - {"world", "source_map", "vocab_map"}  # the world and both maps are shared
+    for name in ("source_drafter", "remap", "finetune", "baseline_finetune", "diagnose"):
+        drafter = Path(summary["stages"][name]["out"])
+        config = drafter / "drafter" / "config.json" if (drafter / "drafter").exists() else drafter / "config.json"
+        if name == "diagnose":
+            config = drafter / "realigned" / "config.json"
+        assert json.loads(config.read_text())["regraft"]["family"].startswith(family), name
+    for name in ("probe", "evaluate", "baseline_evaluate"):
+        manifest = json.loads((Path(summary["stages"][name]["out"]) / "manifest.json").read_text())
+        assert manifest["headline"].startswith(family) and manifest["metrics"]["accept_len"] >= 1.0, name

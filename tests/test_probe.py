@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from stages import probe
-from stages.common.stage import compose_stage
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.errors import RegraftError
-from stages.common.spec_decode import SpeculativeDecoder, greedy_generate
-from stages.common.target import TargetModel
-from stages.common.vocab import load_vocab_map
+from stages.common.contract.stage import compose_stage
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.spec_decode import SpeculativeDecoder, greedy_generate
+from stages.common.drafter.target import TargetModel
+from stages.common.drafter.vocab import load_vocab_map
 from tests.conftest import write_chats
 
 

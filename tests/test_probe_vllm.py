@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import csv
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from stages import probe
-from stages.common.checkpoint import convert_checkpoint
-from stages.common.drafter_config import OUTPUT_OF_LAYER
-from stages.common.errors import RegraftError
-from stages.common.stage import compose_stage
-from stages.common.vllm_engine import VllmConfig, VllmEngine, engine_available
-from tests.conftest import write_chats
+from stages import finetune, probe
+from stages.common.drafter.checkpoint import convert_checkpoint
+from stages.common.drafter.config import OUTPUT_OF_LAYER
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.stage import compose_stage
+from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, engine_available
+from tests.conftest import finetune_cfg, write_chats
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow,
               pytest.mark.skipif(not engine_available(), reason="no vLLM engine venv: run `make venv-vllm`")]
@@ -106,8 +108,91 @@ def test_a_drafter_served_one_layer_off_accepts_differently(both, engine_target,
     assert steps != [int(row["verify_steps"]) for row in first_turns]
 
 
+# Measured here (2026-12-03): vLLM 0.32's CPU build loads and serves the MLA drafter beside a tiny DeepSeek-V3 target,
+# but decodes that target differently from transformers, and from itself without speculation (their first greedy
+# tokens differ in fp32), so no count can be compared with the hf backend's; the MLA drafter's forward is held
+# against NeMo Automodel's trainer instead (tests/test_families.py). A Llama target cannot be served beside it at all.
+MLA_ON_VLLM = ("vLLM 0.32's CPU build decodes a DeepSeek-V3 (MLA, MoE) target unlike transformers and unlike itself "
+               "without speculation, and serves an MLA drafter beside no other target (no common KV block size: CPU "
+               "attention takes multiples of 32, CPU MLA 16 only); held against NeMo Automodel in test_families.py")
+
+
+@pytest.fixture(scope="module", params=["eagle3.1", pytest.param("mla3.1", marks=pytest.mark.skip(reason=MLA_ON_VLLM))])
+def family_both(request, chats, training_map, prompts, tmp_path_factory):
+    """A drafter of each newer family trained from scratch on an engine target, probed by both backends: the MLA
+    drafter on an MLA target, the only kind vLLM's CPU build serves it beside."""
+    engine_target = request.getfixturevalue("engine_mla_target" if request.param.startswith("mla") else
+                                            "engine_target")
+    out = tmp_path_factory.mktemp(f"probe_vllm_{request.param}")
+    finetune.run(finetune_cfg(engine_target, chats, training_map, out / "drafter", "init=scratch",
+                              f"family={request.param}"))
+    hf = probe.run(probe_cfg(engine_target, out / "drafter" / "drafter", out / "hf", prompts))
+    vllm = probe.run(probe_cfg(engine_target, out / "drafter" / "drafter", out / "vllm", prompts, "backend=vllm"))
+    return request.param, out, hf.metrics, vllm.metrics
+
+
+def test_vllm_decodes_every_family_count_for_count_as_the_hf_backend(family_both):
+    """EAGLE-3.1's norms and norm_output recurrence, and an MLA attention (vLLM's Eagle3DeepseekV2ForCausalLM, its
+    CPU MLA kernel: kv_lora_rank 512 + qk_rope_head_dim 64), decoded by vLLM exactly as regraft decodes them."""
+    family, out, hf, vllm = family_both
+    assert hf["accept_len"] > 1.5, family
+    assert vllm["drafts"] == hf["drafts"] > 0
+    for position in range(1, STEPS + 1):
+        assert vllm[f"accepted_at_{position}"] == hf[f"accepted_at_{position}"], (family, position)
+    served = json.loads((out / "vllm" / "served_drafter" / "config.json").read_text())
+    assert served["regraft"]["family"].startswith(family)
+    assert served["architectures"] == (["Eagle3DeepseekV2ForCausalLM"] if family.startswith("mla") else
+                                       ["Eagle3Speculator"])
+
+
 def test_a_token_mismatch_names_the_turn_and_token():
     rows = [{"conversation": 2, "turn": 1, "prompt": [5, 6, 7], "tokens": [1, 2, 3, 4]}]
     with pytest.raises(RegraftError, match=r"at token 2 of conversation 2 turn 1"):
         probe.check_same_tokens(rows, [[1, 2, 9, 4]], "vLLM's plain greedy decoding", "out")
     probe.check_same_tokens(rows, [[1, 2, 3, 4]], "vLLM's plain greedy decoding", "out")
+
+
+def test_vllm_loads_and_drafts_with_an_mla_export(engine_mla_target, chats, training_map, tmp_path):
+    """The MLA export as vLLM's registry loads it (Eagle3DeepseekV2ForCausalLM; vLLM raises on a tensor it has no
+    place for) beside an MLA target, drafting: what vLLM's CPU build can show of an MLA drafter (MLA_ON_VLLM)."""
+    from stages.common.engines.vllm_engine import served_drafter
+
+    finetune.run(finetune_cfg(engine_mla_target, chats, training_map, tmp_path / "ft", "init=scratch",
+                              "family=mla3.1", "max_steps=2"))
+    served = served_drafter(tmp_path / "ft" / "drafter", tmp_path / "served", engine_mla_target)
+    assert json.loads((served / "config.json").read_text())["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    with VllmEngine(VllmConfig(), tmp_path / "engine.log") as engine:
+        engine.start(engine_mla_target, speculative={"method": "eagle3", "model": str(served),
+                                                     "num_speculative_tokens": STEPS})
+        answer = engine.generate([[1, 2, 3, 4]], 8)
+    assert len(answer["outputs"][0]) == 8 and answer["counters"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_engines_asked_to_start_one_at_a_time_do(engine_target, tmp_path):
+    """With vllm.serial_start, two engines asked for at once (the probe, evaluate and baseline_evaluate jobs are)
+    start one after the other: the second waits for the first to be up, then both serve."""
+
+    started: dict[int, tuple[float, float]] = {}
+    engines: dict[int, VllmEngine] = {}
+
+    def start(index: int) -> None:
+        engine = VllmEngine(VllmConfig(serial_start=True), tmp_path / f"engine{index}.log")
+        asked = time.monotonic()
+        engine.__enter__()
+        engine.start(engine_target)
+        started[index], engines[index] = (asked, time.monotonic()), engine
+
+    threads = [threading.Thread(target=start, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        first, second = sorted(started.values(), key=lambda span: span[1])
+        waited = sorted(engine.waited_to_start_s for engine in engines.values())
+        assert waited[0] < 1.0 and waited[1] >= (first[1] - second[0]) - 1.0  # the second waited for the first
+        answers = [engine.generate([[1, 2, 3]], max_tokens=4)["outputs"] for engine in engines.values()]
+        assert answers[0] == answers[1]
+    finally:
+        for engine in engines.values():
+            engine.stop()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from stages import finetune
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.stage import compose_stage
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.stage import compose_stage
 from tests.test_finetune import read_metrics
 
 
@@ -54,7 +54,7 @@ def race_cfg(outputs, *overrides: str):
     from hydra import compose, initialize_config_dir
 
     import pipelines.regraft  # noqa: F401  (registers every schema, for compose)
-    from stages.common.stage import CONF_DIR
+    from stages.common.contract.stage import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=[f"paths.outputs={outputs}", f"paths.run={outputs / 'run'}",

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from stages import regenerate
-from stages.common.errors import RegraftError
-from stages.common.stage import compose_stage
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.stage import compose_stage
 from tests.servers import HOST, MAX_MODEL_LEN, REPO, needs_engine, reply, vllm_server
 
 MAX_TOKENS = 24

@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stages import remap
-from stages.common.artifacts import read_manifest, staged_output
-from stages.common.checkpoint import DrafterCheckpoint
-from stages.common.stage import compose_stage
-from stages.common.drafter_config import OUTPUT_OF_LAYER
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.errors import RegraftError
-from stages.common.verifier import Verifier
-from stages.common.vocab import VocabMap
+from stages.common.contract.artifacts import read_manifest, staged_output
+from stages.common.drafter.checkpoint import DrafterCheckpoint
+from stages.common.contract.stage import compose_stage
+from stages.common.drafter.config import OUTPUT_OF_LAYER
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.verifier import Verifier
+from stages.common.drafter.vocab import VocabMap
 from tests.conftest import random_map
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ import pytest
 import submitit
 
 from pipelines.slurm_jobs import dependency_of, job_state, wait_for
-from stages.common.errors import RegraftError
+from stages.common.contract.errors import RegraftError
 from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm

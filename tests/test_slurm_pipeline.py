@@ -33,8 +33,8 @@ from pipelines.dag import Node
 from pipelines.launchers import SlurmLauncher
 from pipelines.jobs import RANK_VARIABLES
 from pipelines.slurm_jobs import job_state
-from stages.common.stage import CONF_DIR
-from stages.common.errors import RegraftError
+from stages.common.contract.stage import CONF_DIR
+from stages.common.contract.errors import RegraftError
 from tests.mlflow_checks import check_store
 from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
@@ -102,7 +102,7 @@ PREBUILD = textwrap.dedent("""
     from pipelines.dag import build_nodes
     from pipelines.launchers import InlineLauncher
     from pipelines.runner import run_dag
-    from stages.common.stage import CONF_DIR
+    from stages.common.contract.stage import CONF_DIR
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=sys.argv[1:])
     nodes = [node for node in build_nodes(cfg) if node.name in ("world", "source_map", "source_drafter", "features")]
@@ -271,8 +271,8 @@ def test_a_race_submits_every_rung_with_the_fine_tunes_tasks(sweep, slurm_cluste
 def test_feature_parts_across_nodes_rerun_only_the_cancelled_one(sweep, slurm_cluster):  # noqa: F811
     """features.parts=4 on 2 nodes: four jobs, each a cached output; one cancelled, the rerun computes only it, and
     the joined features equal the ones computed in one job (the sweep's, cached by the fixture)."""
-    from stages.common.artifacts import read_manifest
-    from stages.common.feature_shards import load_features
+    from stages.common.contract.artifacts import read_manifest
+    from stages.common.data.feature_shards import load_features
 
     outputs, (first, _) = sweep
     parts = ["features.parts=4", "pipeline.evaluate=false", f"finetune.lr={SWEEP_LRS[0]}"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages.common.errors import RegraftError
-from stages.common.tensor_io import SafetensorsFiles, TensorSpec, consecutive_runs, spec_of, write_safetensors
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.tensor_io import SafetensorsFiles, TensorSpec, consecutive_runs, spec_of, write_safetensors
 
 
 @pytest.fixture

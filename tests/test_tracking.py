@@ -17,8 +17,9 @@ from pipelines.dag import Node
 from pipelines.jobs import StageOutcome
 from pipelines.outbox import Outbox
 from pipelines.progress import StageProgress, last_line
-from pipelines.tracking import Tracker, invocation, swept_keys
-from stages.common.errors import RegraftError
+from pipelines.run_names import invocation, swept_keys
+from pipelines.tracking import Tracker
+from stages.common.contract.errors import RegraftError
 from tests.mlflow_checks import free_port, start_mlflow_server, stop_mlflow_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,8 +209,8 @@ def test_run_names_from_overrides_and_sweeps():
     assert member.name == "lr=0.001 init=scratch"
     assert member.tags == {"sweep": "sweepdir", "member": "3", "swept": "finetune.lr finetune.init",
                            "finetune.lr": "0.001", "finetune.init": "scratch"}
-    clash = invocation(["finetune.lr=1", "source.build.lr=2"], ["finetune.lr", "source.build.lr"], "s", 0)
-    assert clash.name == "finetune.lr=1 source.build.lr=2"  # short names only where they stay unambiguous
+    clash = invocation(["finetune.lr=1", "source.build.finetune.lr=2"], ["finetune.lr", "source.build.finetune.lr"], "s", 0)
+    assert clash.name == "finetune.lr=1 source.build.finetune.lr=2"  # short names only where they stay unambiguous
     assert swept_keys(["a=1"], {"finetune.seed": "range(0,3)"}) == ["finetune.seed"]
 
 
@@ -248,7 +249,8 @@ import sys, time
 from pathlib import Path
 from omegaconf import OmegaConf
 import mlflow.store.tracking.sqlalchemy_store  # imported before the start: the four open the store at one instant
-from pipelines.tracking import Tracker, invocation
+from pipelines.run_names import invocation
+from pipelines.tracking import Tracker
 cfg = OmegaConf.create({"uri": sys.argv[1], "experiment": "regraft", "artifact_location": sys.argv[2],
                         "copy_checkpoints": False, "max_artifact_mb": 20.0})
 print("ready", flush=True)
@@ -411,7 +413,7 @@ def test_a_figure_has_one_name():
     """cond_acc_0 is full_acc_0 by definition, and is not logged twice."""
     import torch
 
-    from stages.common.ttt import ttt_metrics
+    from stages.common.drafter.ttt import ttt_metrics
 
     metrics = ttt_metrics(torch.tensor([1.0, 2.0]), torch.tensor([3, 1]), torch.tensor([4, 4]), torch.tensor([3, 1]),
                           torch.tensor([4, 3]))

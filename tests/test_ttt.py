@@ -5,11 +5,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from stages.common.drafter_config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, drafter_config_for
-from stages.common.eagle3 import Eagle3Drafter, KVCache, TTTCache
-from stages.common.target import TargetHead, TargetModel, TargetSignals
-from stages.common.ttt import LossMask, draft_vocab_ids, loss_gates, shift_left, ttt_forward, ttt_metrics
-from stages.common.vocab import VocabMap
+from stages.common.drafter.config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, drafter_config_for
+from stages.common.drafter.eagle3 import Eagle3Drafter, KVCache, TTTCache
+from stages.common.drafter.target import TargetHead, TargetModel, TargetSignals
+from stages.common.drafter.ttt import LossMask, draft_vocab_ids, loss_gates, shift_left, ttt_forward, ttt_metrics
+from stages.common.drafter.vocab import VocabMap
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from stages import vocab_map
-from stages.common.stage import compose_stage
-from stages.common.errors import RegraftError
-from stages.common.vocab import build_vocab_map, load_vocab_map
+from stages.common.contract.stage import compose_stage
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.vocab import build_vocab_map, load_vocab_map
 from tests.conftest import ASSISTANT_WORDS, USER_WORDS, random_map, write_chats  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,6 +35,15 @@ JOB = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def interruptible():
+    """Jobs started here get SIGINT as a terminal's python does, even when the suite itself was started with it
+    ignored (a background job of a non-interactive shell, as CI may run it): every child inherits an ignore."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory) -> WarmInterpreter:
     interpreter = WarmInterpreter([], tmp_path_factory.mktemp("warm") / "warm.log")
@@ -48,10 +57,11 @@ def job_dir(tmp_path) -> Path:
     return tmp_path
 
 
-def start(python: str, job_dir: Path, *args: str, **streams) -> subprocess.Popen:
+def start(python: str, job_dir: Path, *args: str, ignoring_sigint: bool = False, **streams) -> subprocess.Popen:
     env = dict(os.environ, REGRAFT_TEST="hello", OMP_NUM_THREADS="1")
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignoring_sigint else None
     return subprocess.Popen([*shlex.split(python), "-u", "-m", "warm_test_job", *args], cwd=job_dir, env=env,
-                            text=True, **streams)
+                            text=True, preexec_fn=ignore, **streams)
 
 
 def run(python: str, job_dir: Path, *args: str) -> tuple[int, list[str], str]:
@@ -103,6 +113,58 @@ def test_failures_and_signals_end_a_warm_job_as_they_end_a_plain_python(warm, jo
     assert job.wait(timeout=30) == -signal.SIGINT
     assert "KeyboardInterrupt" in job.stderr.read()
     assert wait_until(lambda: not alive(child))
+
+
+@pytest.mark.parametrize("interpreter", ["warm", "cold"])
+def test_a_job_started_ignoring_sigint_ignores_it_warm_as_cold(warm, job_dir, interpreter):
+    """What LocalLauncher relies on: jobs are started with SIGINT ignored, so a terminal's Ctrl-C reaches regraft
+    alone; a warm job must ignore it as a plain interpreter does, and still end on SIGTERM."""
+    python = warm.python() if interpreter == "warm" else shlex.quote(sys.executable)
+    job = start(python, job_dir, "sleep", "0", ignoring_sigint=True, stdout=subprocess.PIPE)
+    child = int(job.stdout.readline().split()[6])
+    job.send_signal(signal.SIGINT)
+    with pytest.raises(subprocess.TimeoutExpired):
+        job.wait(timeout=2)
+    assert alive(child)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == -signal.SIGTERM and wait_until(lambda: not alive(child))
+
+
+def caught_signals(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("SigCgt:")[1].split()[0], 16)
+
+
+def forked_children(pid: int) -> set[int]:
+    return {int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+
+
+def test_a_signal_sent_before_the_child_is_known_still_reaches_it(warm, job_dir):
+    """The client forwards from its first instruction on: a signal that arrives before the server has forked is
+    held and sent on, not lost. The server is stopped meanwhile, so the signal surely comes first."""
+    os.kill(warm.process.pid, signal.SIGSTOP)
+    try:
+        job = start(warm.python(), job_dir, "sleep", "0", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # python catches SIGINT itself; SIGTERM only once the client's forwarder is in place
+        assert wait_until(lambda: caught_signals(job.pid) & (1 << (signal.SIGTERM - 1)))
+        job.send_signal(signal.SIGINT)
+    finally:
+        os.kill(warm.process.pid, signal.SIGCONT)
+    assert job.wait(timeout=30) == -signal.SIGINT
+    assert "KeyboardInterrupt" in job.stderr.read()
+
+
+def test_a_signal_sent_as_the_child_is_forked_still_reaches_it(warm, job_dir):
+    """The client has the pid as soon as the server forks, maybe before the child has run at all; a signal sent
+    on then must reach the job too (python's fork drops one that lands before the child's first instruction)."""
+    for _ in range(8):
+        before = forked_children(warm.process.pid)
+        job = start(warm.python(), job_dir, "sleep", "0", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while not forked_children(warm.process.pid) - before and time.monotonic() < deadline:
+            pass  # no sleep: the moment of the fork is what this test is about
+        job.send_signal(signal.SIGINT)
+        assert job.wait(timeout=30) == -signal.SIGINT
 
 
 def test_a_killed_client_takes_its_job_with_it_and_the_server_goes_on(warm, job_dir):

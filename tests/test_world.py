@@ -12,10 +12,10 @@ from hydra.core.global_hydra import GlobalHydra
 from safetensors.torch import load_file
 
 from stages import world
-from stages.common.artifacts import read_manifest
-from stages.common.chat import load_tokenizer, read_conversations
-from stages.common.stage import CONF_DIR, compose_stage
-from stages.common.vocab import VocabMap, build_vocab_map, compare_vocab_maps
+from stages.common.contract.artifacts import read_manifest
+from stages.common.data.chat import load_tokenizer, read_conversations
+from stages.common.contract.stage import CONF_DIR, compose_stage
+from stages.common.drafter.vocab import VocabMap, build_vocab_map, compare_vocab_maps
 from stages.vocab_map import count_assistant_tokens
 from stages.world.toy import generate_answers
 
@@ -24,7 +24,7 @@ DRAFT_VOCAB = 128  # the tiny source drafter's (conf/debug/tiny.yaml)
 # world=tiny's digest (manifest "digest": its weights and data, stages/world/__init__.py::digest), the same on every
 # x86 CPU (tests/test_determinism.py). It changes with the world's code or config, the corpus (this Python's stdlib
 # docstrings) and the versions of torch/MKL, transformers and tokenizers. When it changes on purpose, paste the new
-# one from `python -c "from stages import world; from stages.common.stage import compose_stage;
+# one from `python -c "from stages import world; from stages.common.contract.stage import compose_stage;
 # print(world.run(compose_stage('world', ['out=/tmp/tiny'], option='tiny')).out)"` (then /tmp/tiny/manifest.json).
 TINY_WORLD_DIGEST = "3b953269b66acbe1a7e32d3b2247331194c4d878bccceb19d363d68077923c50"
 

@@ -35,7 +35,7 @@ class RegraftLauncher(Launcher):
         from pipelines.regraft import report_and_exit
         from pipelines.runner import Interrupts
         from pipelines.sweep import plan_member, run_sweep
-        from stages.common.runtime import same_on_every_cpu
+        from stages.common.contract.runtime import same_on_every_cpu
 
         same_on_every_cpu()  # before planning checks anything: the members' jobs compute as a single run's do
         setup_globals()

@@ -26,20 +26,22 @@ from typing import Optional
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from stages.common.artifacts import read_manifest, staged_output
-from stages.common.chat import load_tokenizer, tokenized_chats
-from stages.common.checkpoint import DrafterCheckpoint
-from stages.common.drafter_config import (OUTPUT_OF_LAYER, check_drafter_fits_target, convert_aux_layer_ids,
-                                          drafter_config_for, target_config)
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.errors import RegraftError
-from stages.common.feature_shards import Rows, TensorRows, open_features
-from stages.common.runtime import free_port
-from stages.common.stage import StageResult, register_schema, setting
-from stages.common.target import TargetHead, TargetModel
-from stages.common.ttt import LossMask
-from stages.common.verifier import Verifier
-from stages.common.vocab import VocabMap, load_vocab_map
+from stages.common.contract.artifacts import read_manifest, staged_output
+from stages.common.data.chat import load_tokenizer, tokenized_chats
+from stages.common.drafter.checkpoint import DrafterCheckpoint
+from stages.common.drafter.config import (OUTPUT_OF_LAYER, DrafterConfig, check_drafter_fits_target, check_family,
+                                          convert_aux_layer_ids, drafter_config_for, target_config)
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.errors import RegraftError
+from stages.common.data.feature_shards import Rows, TensorRows, open_features
+from stages.common.contract.runtime import free_port
+from stages.common.engines.vllm_engine import check_engine
+from stages.common.engines.vllm_states import EngineFeaturesConfig, EngineRows, EngineStates, states_server
+from stages.common.contract.stage import StageResult, register_schema, setting
+from stages.common.drafter.target import TargetHead, TargetModel
+from stages.common.drafter.ttt import LossMask
+from stages.common.drafter.verifier import Verifier
+from stages.common.drafter.vocab import VocabMap, load_vocab_map
 from stages.finetune.guard import preflight
 from stages.finetune.loop import MetricsLog, Preempted, Progress, micro_batches, split, train
 
@@ -90,7 +92,13 @@ class FinetuneConfig:
     drafter: Optional[str] = None  # the init's drafter (remap output / source drafter); scratch may omit it
     trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
     features: Optional[str] = None  # a features stage output: train offline on cached target states
+    # online from a vLLM server: the target's states for each batch as it is needed, nothing on disk
+    # (engine.enabled; the pipeline's features.mode=online)
+    engine: EngineFeaturesConfig = field(default_factory=EngineFeaturesConfig)
     init: Init = Init.remap
+    # the drafter a scratch fine-tune builds: eagle3 | eagle3.1 (norm_before_fc, norm_output) | mla | mla3.1 (fc_norm,
+    # norm_output) (FAMILY_FLAGS); None: the family of `drafter` (a scratch baseline is its source's), else eagle3
+    family: Optional[str] = None
     ttt_steps: int = setting(7, at_least=1)  # SpecForge's length; the Kimi-K2.5 runs used 5, speculators 3
     # TTT loss mask on the assistant mask m, for step k's prediction of token p = t+2+k at position t:
     # drafted: m[t+1..p] all set (what inference drafts: never a turn's first token, never across turns);
@@ -134,7 +142,14 @@ def check_ranks(cfg: DictConfig | dict, stage: str = "finetune") -> None:
                            f"set {stage}.nproc={gpus}, or run on Slurm (launcher=slurm) across nodes")
 
 
-register_schema("finetune", FinetuneConfig)
+def check_finetune_family(cfg: DictConfig, where: str) -> None:
+    check_family(f"{where}.family" if where else "family", cfg.get("family"))
+    engine = cfg.get("engine")
+    if engine is not None and engine.enabled and not engine.server_url:  # the stage starts the server itself
+        check_engine(engine.vllm, f"{where}.engine." if where else "engine.")
+
+
+register_schema("finetune", FinetuneConfig, check=check_finetune_family)
 RANK_FLAG = "--rank-config"
 
 
@@ -148,13 +163,21 @@ def check_map_fits_target(cfg: DictConfig, training_map: VocabMap) -> None:
                            f"({cfg.target}) has {vocab}", "build the map with the target's tokenizer (vocab_map stage)")
 
 
+def scratch_config(cfg: DictConfig, draft_vocab_size: int) -> DrafterConfig:
+    """A scratch drafter's config: the init drafter's (its family, sizes, aux layers) unless `family` asks for
+    another; a fresh one for the target without a drafter."""
+    if cfg.drafter:
+        template = DrafterCheckpoint.open(cfg.drafter).config
+        if cfg.get("family") in (None, template.family):
+            return replace(template, draft_vocab_size=draft_vocab_size)
+    return drafter_config_for(cfg.target, draft_vocab_size, family=cfg.get("family") or "eagle3")
+
+
 def initial_drafter(cfg: DictConfig, training_map: VocabMap) -> tuple[Eagle3Drafter, VocabMap | None]:
     """The init's drafter and the map its lm_head was trained on (None for scratch, which has no past)."""
     init = Init(cfg.init)
     if init is Init.scratch:
-        template = DrafterCheckpoint.open(cfg.drafter).config if cfg.drafter else \
-            drafter_config_for(cfg.target, training_map.draft_vocab_size)
-        config = replace(template, draft_vocab_size=training_map.draft_vocab_size)
+        config = scratch_config(cfg, training_map.draft_vocab_size)
         drafter = Eagle3Drafter.initialised(config, training_map, seed=cfg.seed)
         verifier = Verifier.open(cfg.target)
         if verifier.hidden_size == config.hidden_size:
@@ -178,14 +201,23 @@ def training_rows(cfg: DictConfig, drafter: Eagle3Drafter) -> tuple[TargetModel 
     """Online: the whole target and tokenized chats, in memory. Offline: the target's embeddings and lm_head only,
     and the cached rows streamed from their shards a batch at a time (the same chats in the same order, so both
     modes see the same batches)."""
-    layer_ids = convert_aux_layer_ids(drafter.config.aux_layer_ids, drafter.config.aux_convention, OUTPUT_OF_LAYER)
+    layer_ids = aux_layers_of(drafter)
     if cfg.features:
         return TargetHead(cfg.target), open_features(cfg.features, layer_ids, cfg.max_length)
     if not cfg.data:
         raise RegraftError(None, "finetune needs training data", "pass data=CHATS.jsonl (online) or features=DIR")
     rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
+    if cfg.engine.enabled:
+        states = EngineStates(cfg.engine.server_url, cfg.target, layer_ids, cfg.engine.retries,
+                              cfg.engine.request_timeout_s)
+        return TargetHead(cfg.target), EngineRows(rows, states)
     return (TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, trust_remote_code=cfg.trust_remote_code),
             TensorRows(rows))
+
+
+def aux_layers_of(drafter: Eagle3Drafter | DrafterConfig) -> list[int]:
+    config = drafter.config if isinstance(drafter, Eagle3Drafter) else drafter
+    return convert_aux_layer_ids(config.aux_layer_ids, config.aux_convention, OUTPUT_OF_LAYER)
 
 
 # ---------------------------------------------------------------- DeepSpeed
@@ -255,9 +287,28 @@ def launch_ranks(cfg: DictConfig) -> StageResult:
 
 def run(cfg: DictConfig) -> StageResult:
     check_ranks(cfg)
+    if not cfg.engine.enabled:
+        return run_ranks(cfg)
+    # online: one server for all the ranks (started here unless engine.server_url names one), up for the stage
+    work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints") / "engine"
+    layer_ids = aux_layers_of(initial_config(cfg))
+    with states_server(cfg.engine, cfg.target, layer_ids, cfg.max_length, work) as url:
+        return run_ranks(OmegaConf.merge(cfg, {"engine": {"server_url": url}}))
+
+
+def run_ranks(cfg: DictConfig) -> StageResult:
     if Spawn(cfg.spawn) is not Spawn.inprocess:
         return launch_ranks(cfg)
     return run_rank(cfg, launched=False)
+
+
+def initial_config(cfg: DictConfig) -> DrafterConfig:
+    """The config of the drafter this run trains (its aux layers: what a server must capture), without weights."""
+    if Init(cfg.init) is Init.scratch:
+        return scratch_config(cfg, load_vocab_map(cfg.vocab_map).draft_vocab_size)
+    if not cfg.drafter:
+        raise RegraftError(None, f"init={Init(cfg.init).value} needs a drafter", "pass drafter=DIR")
+    return DrafterCheckpoint.open(cfg.drafter).config
 
 
 def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
@@ -277,9 +328,10 @@ def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
     log = MetricsLog(work / "metrics.jsonl", resume_step=resumed_step(work) if resumed else 0, enabled=rank == 0)
     if not resumed:
         log.write(0, "preflight", checked.metrics())
-    best_state, best_val = train(cfg, drafter, target, train_data, val_data, work, log, Progress())
-    metrics = {**checked.metrics(), **{f"val_{k}": v for k, v in best_val.items()}}
-    headline = (f"init={Init(cfg.init).value}: best val loss {best_val.get('loss', float('nan')):.3f}, "
+    waits: list[float] = []
+    best_state, best_val = train(cfg, drafter, target, train_data, val_data, work, log, Progress(), waits)
+    metrics = {**checked.metrics(), **{f"val_{k}": v for k, v in best_val.items()}, **engine_metrics(rows, waits)}
+    headline = (f"{drafter.config.describe()}, init={Init(cfg.init).value}: best val loss {best_val.get('loss', float('nan')):.3f}, "
                 f"full_acc_0 {best_val.get('full_acc_0', float('nan')):.3f}, "
                 f"sim_accept_len {best_val.get('sim_accept_len', float('nan')):.2f}")
     if rank == 0:
@@ -292,6 +344,14 @@ def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
             (staged.path / "metrics.jsonl").write_text((work / "metrics.jsonl").read_text())
             staged.update(metrics=metrics, checkpoint_dir=str(work.absolute()), headline=headline)
     return StageResult(Path(cfg.out), metrics, headline)
+
+
+def engine_metrics(rows: Rows, waits: list[float]) -> dict[str, float]:
+    """Online: the rows the server computed states for, its seconds doing so, and the trainer's wait for them."""
+    if not isinstance(rows, EngineRows):
+        return {}
+    rows.states.close()
+    return {"engine_rows": rows.states.rows, "engine_seconds": rows.states.seconds, "engine_wait_seconds": sum(waits)}
 
 
 def resumed_step(work: Path) -> int:

@@ -2,7 +2,7 @@
 DeepSpeed's launcher (finetune.spawn), on the launching stage's resolved config."""
 import sys
 
-from stages.common.stage import stage_main
+from stages.common.contract.stage import stage_main
 from stages.finetune import RANK_FLAG, rank_main, run
 
 if sys.argv[1:2] == [RANK_FLAG]:

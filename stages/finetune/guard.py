@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from stages.common.artifacts import read_manifest
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.errors import RegraftError
-from stages.common.target import TargetHead, TargetModel
-from stages.common.ttt import LossMask
-from stages.common.vocab import RemapPlan, VocabMap, compare_vocab_maps
+from stages.common.contract.artifacts import read_manifest
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.target import TargetHead, TargetModel
+from stages.common.drafter.ttt import LossMask
+from stages.common.drafter.vocab import RemapPlan, VocabMap, compare_vocab_maps
 from stages.finetune.loop import run_ttt
 
 

@@ -3,8 +3,9 @@
 `train` runs optimizer steps until the schedule ends, validating every epoch and keeping the best state by
 validation loss; it checkpoints every `checkpoint_every` steps (and when SIGTERM/SIGUSR1 ask it to stop), and a run
 with `resume` continues from the latest checkpoint to the same weights as an uninterrupted one. Data comes through
-a row source (`stages.common.feature_shards.Rows`: chats in memory, or cached features streamed from disk), one
-micro-batch at a time; both give the same seeded split and batches.
+a row source (`stages.common.data.feature_shards.Rows`: chats in memory, cached features streamed from disk, or a
+vLLM server's states, read ahead by `engine.prefetch` batches), one micro-batch at a time; all give the same seeded
+split and batches.
 """
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from stages.common.eagle3 import Eagle3Drafter
-from stages.common.errors import RegraftError
-from stages.common.feature_shards import Rows, RowSubset, as_rows
-from stages.common.target import TargetHead, TargetModel
-from stages.common.ttt import LossMask, TTTStats, draft_vocab_ids, ttt_forward, ttt_metrics
+from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.contract.errors import RegraftError
+from stages.common.data.feature_shards import Rows, RowSubset, as_rows
+from stages.common.drafter.target import TargetHead, TargetModel
+from stages.common.drafter.ttt import LossMask, TTTStats, draft_vocab_ids, ttt_forward, ttt_metrics
+from stages.finetune.prefetch import read_ahead
 
 
 def run_ttt(drafter: Eagle3Drafter, target: TargetModel | TargetHead, batch: dict[str, torch.Tensor],
@@ -73,14 +75,16 @@ def split(data: Rows | dict[str, torch.Tensor], val_fraction: float, seed: int) 
 
 
 def micro_batches(data: Rows | dict[str, torch.Tensor], size: int, epoch: int, seed: int, rank: int, world: int,
-                  skip: int = 0, accumulation: int = 1) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of one epoch: a seeded shuffle, strided over ranks, whole global batches only
-    (so no accumulated gradient spills into the next epoch); each is read when it is asked for."""
+                  skip: int = 0, accumulation: int = 1, stop: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of one epoch, from the `skip`-th to before the `stop`-th: a seeded shuffle, strided
+    over ranks, whole global batches only (so no accumulated gradient spills into the next epoch); each is read
+    when it is asked for, and none past `stop` (a run's last step), which a read-ahead would otherwise ask for."""
     rows = as_rows(data)
     count = len(rows)
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
     per_step = size * world
-    for index in range(skip, count // (per_step * accumulation) * accumulation):
+    whole = count // (per_step * accumulation) * accumulation
+    for index in range(skip, whole if stop is None else min(stop, whole)):
         yield rows.take(order[index * per_step + rank * size: index * per_step + (rank + 1) * size])
 
 
@@ -113,12 +117,19 @@ class MetricsLog:
                 lines.write(json.dumps({"step": step, "split": split_name, **metrics}) + "\n")
 
 
-def validate(drafter: Eagle3Drafter, target: TargetModel, val: Rows, cfg: DictConfig) -> dict:
+def read_ahead_window(cfg: DictConfig) -> int:
+    """Batches read ahead of the trainer: the engine's prefetch when a server computes them, else none."""
+    engine = cfg.get("engine")
+    return int(engine.prefetch) if engine is not None and engine.enabled else 0
+
+
+def validate(drafter: Eagle3Drafter, target: TargetModel, val: Rows, cfg: DictConfig,
+             waits: list[float] | None = None) -> dict:
     """TTT metrics over the whole validation split, from summed counts; `loss` is the decay-weighted total."""
     size = min(cfg.micro_batch_size, len(val))
     sums, batches = None, 0
     with torch.no_grad():
-        for batch in micro_batches(val, size, 0, cfg.seed, 0, 1):
+        for batch in read_ahead(micro_batches(val, size, 0, cfg.seed, 0, 1), read_ahead_window(cfg), waits):
             stats = run_ttt(drafter, target, batch, cfg.ttt_steps, cfg.loss_mask)
             counts = [stats.step_losses, stats.correct, stats.valid, stats.cond_correct, stats.cond_valid]
             sums = counts if sums is None else [a + b for a, b in zip(sums, counts)]
@@ -167,7 +178,10 @@ class Progress:
 
 
 def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_data: Rows, val_data: Rows,
-          work: Path, log: MetricsLog, progress: Progress) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+          work: Path, log: MetricsLog, progress: Progress,
+          waits: list[float] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The run's best state and its validation metrics; `waits` collects the seconds the trainer waited for
+    batches read ahead (online: the server's share of the wall time it could not hide)."""
     import deepspeed
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -207,7 +221,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             prune_checkpoints(checkpoints, cfg.keep_checkpoints)
 
     def validate_and_keep_best(best: dict) -> dict:
-        val = validate(engine.module, target, val_data, cfg) if len(val_data) else {}
+        val = validate(engine.module, target, val_data, cfg, waits) if len(val_data) else {}
         progress.validated = progress.step
         if val:
             log.write(progress.step, "val", val)
@@ -226,8 +240,10 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
     bar = tqdm(total=end, initial=progress.step, desc="finetune", disable=rank != 0, mininterval=1.0)
     started, tokens = time.perf_counter(), 0
     while progress.step < end and progress.epoch < cfg.epochs:
-        for batch in micro_batches(train_data, cfg.micro_batch_size, progress.epoch, cfg.seed, rank, world,
-                                   skip=progress.batch, accumulation=accumulation):
+        for batch in read_ahead(micro_batches(train_data, cfg.micro_batch_size, progress.epoch, cfg.seed, rank, world,
+                                              skip=progress.batch, accumulation=accumulation,
+                                              stop=progress.batch + (end - progress.step) * accumulation),
+                                read_ahead_window(cfg), waits):
             stats = run_ttt(engine.module, target, batch, cfg.ttt_steps, cfg.loss_mask)
             engine.backward(stats.loss)
             lr, grad_norm = optimizer_step(engine, scheduler)

@@ -11,7 +11,7 @@ Out (HF `save_pretrained` folders, chat JSONL `{"messages": [...]}`): `tokenizer
 some two-turn, for probes), `manifest.json` (losses, target B's greedy top-1 probability, counts, seconds per
 phase, `digest`: a sha256 over the weights and data, `cpu`: the settings it was computed under). Deterministic
 for a seed (training runs by step count) and the same on every x86 CPU: the build runs under
-`stages.common.runtime.SAME_ON_EVERY_CPU` (MKL's compatible code path, ATen's AVX2 kernels) with a fixed thread
+`stages.common.contract.runtime.SAME_ON_EVERY_CPU` (MKL's compatible code path, ATen's AVX2 kernels) with a fixed thread
 count, in a fresh interpreter if this one already computed under other settings. About 2-3 minutes on 2 CPU cores.
 
     python -m stages.world out=DIR [steps_a=... regen_prompts=...]
@@ -32,11 +32,11 @@ from pathlib import Path
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from stages.common.artifacts import read_manifest, staged_output
-from stages.common.chat import load_tokenizer
-from stages.common.errors import RegraftError
-from stages.common.runtime import SAME_ON_EVERY_CPU, same_on_every_cpu, torch_threads
-from stages.common.stage import StageResult, register_schema, setting
+from stages.common.contract.artifacts import read_manifest, staged_output
+from stages.common.data.chat import load_tokenizer
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.runtime import SAME_ON_EVERY_CPU, same_on_every_cpu, torch_threads
+from stages.common.contract.stage import StageResult, register_schema, setting
 from stages.world.corpus import Docstring, as_conversation, file_docstrings, stdlib_source_files, write_jsonl
 from stages.world.toy import (assistant_loss, fit_causal_lm, generate_answers, pack_chats, rotate_residual_stream,
                               tiny_llama, train_tokenizer)

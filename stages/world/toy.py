@@ -41,6 +41,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) 
     return out
 
 
+def save_random(model_class, config, tokenizer, out_dir: str | Path, seed: int) -> Path:
+    """A randomly initialised `model_class(config)`, saved with its tokenizer beside it."""
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    model_class(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def tiny_llama(tokenizer_dir: str | Path, out_dir: str | Path, hidden_size: int = 64, num_layers: int = 4,
                num_heads: int = 4, intermediate_size: int | None = None, tie_word_embeddings: bool = False,
                seed: int = 0) -> Path:
@@ -53,12 +62,27 @@ def tiny_llama(tokenizer_dir: str | Path, out_dir: str | Path, hidden_size: int 
                          intermediate_size=intermediate_size or 4 * hidden_size, max_position_embeddings=1024,
                          tie_word_embeddings=tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    out = Path(out_dir)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_random(LlamaForCausalLM, config, tokenizer, out_dir, seed)
+
+
+def tiny_deepseek_v3(tokenizer_dir: str | Path, out_dir: str | Path, hidden_size: int = 64, num_layers: int = 4,
+                     num_heads: int = 2, seed: int = 0) -> Path:
+    """A randomly initialised DeepSeek-V3 target (MLA attention, one dense layer then MoE layers, as Kimi-K2's) over
+    the tokenizer's vocab. The MLA latent and rope widths are DeepSeek's (512 + 64: vLLM's CPU MLA kernel takes head
+    size 576 only); `noaux_tc` routing, since vLLM builds the router bias transformers saves only for it."""
+    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    head = hidden_size // num_heads
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        moe_intermediate_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_heads, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+        q_lora_rank=hidden_size, kv_lora_rank=512, qk_nope_head_dim=head, qk_rope_head_dim=64, v_head_dim=head,
+        max_position_embeddings=1024, rope_scaling=None, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    return save_random(DeepseekV3ForCausalLM, config, tokenizer, out_dir, seed)
 
 
 def train_causal_lm(model_dir: str | Path, data: str | Path, out_dir: str | Path, steps: int, lr: float = 3e-3,
@@ -66,7 +90,7 @@ def train_causal_lm(model_dir: str | Path, data: str | Path, out_dir: str | Path
     """Train a (tiny) causal LM on a chat JSONL with plain next-token loss and save it with its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.common.chat import tokenized_chats
+    from stages.common.data.chat import tokenized_chats
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).train()
@@ -100,7 +124,7 @@ def pack_chats(tokenizer, conversations: list[list[dict]], seq_len: int) -> dict
     """
     import bisect
 
-    from stages.common.chat import batched, encode_chats
+    from stages.common.data.chat import batched, encode_chats
 
     chats = [pair for batch in batched(iter(conversations), 256) for pair in encode_chats(tokenizer, batch, seq_len)]
     order = sorted(range(len(chats)), key=lambda i: (-len(chats[i][0]), i))
@@ -180,7 +204,7 @@ def assistant_loss(model, tokenizer, conversations: list[list[dict]], max_length
     which a causal model never attends to from a real token)."""
     import torch.nn.functional as F
 
-    from stages.common.chat import batched, encode_chats
+    from stages.common.data.chat import batched, encode_chats
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     total, count = 0.0, 0
@@ -223,7 +247,7 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     from tqdm import tqdm
     from transformers import GenerationConfig
 
-    from stages.common.chat import batched
+    from stages.common.data.chat import batched
 
     end_id = tokenizer.convert_tokens_to_ids("<|end|>")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_id

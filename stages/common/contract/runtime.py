@@ -1,11 +1,22 @@
-"""Process-level helpers every stage shares: a free local port, torch's intra-op threads for a while, and the
-settings that make torch's CPU float results the same on every x86 machine."""
+"""Process-level helpers every stage shares: the environment every regraft process starts with, a free local port,
+torch's intra-op threads for a while, and the settings that make torch's CPU float results the same on every x86
+machine."""
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
 from typing import Iterator
+
+# unless the user set them: MLflow sends no telemetry (nothing here reaches the internet), and tokenizers keeps no
+# thread pool that a forked job would inherit
+PROCESS_DEFAULTS = {"MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def set_process_defaults() -> None:
+    """PROCESS_DEFAULTS into os.environ, under what is already set: the command, every job, the tests, benchmarks."""
+    for key, value in PROCESS_DEFAULTS.items():
+        os.environ.setdefault(key, value)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -7,7 +7,7 @@ Three kinds of failure, kept apart because a caller treats them differently:
 - the server cannot answer (connection refused or reset, timeout, 5xx, 408, 429): retried `retries` times with a
   doubling pause, then one RegraftError, so a dead server stops the caller instead of refusing everything;
 - the server refuses the key (HTTP 401/403, from a server run with `--api-key`): one RegraftError at once, naming the
-  variable, never retried (stages/common/credentials.py: the key comes from the variable `key_env` names).
+  variable, never retried (stages/common/engines/credentials.py: the key comes from the variable `key_env` names).
 
     answer = chat_completion(url, {"model": "m", "messages": [...], "max_tokens": 16}, timeout=60, retries=3)
 """
@@ -20,8 +20,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from stages.common.credentials import DEFAULT_KEY_ENV, UNAUTHORIZED, authorize, refused_key
-from stages.common.errors import RegraftError
+from stages.common.engines.credentials import DEFAULT_KEY_ENV, UNAUTHORIZED, authorize, refused_key
+from stages.common.contract.errors import RegraftError
 
 RETRY_PAUSE_S = 1.0  # the first pause between tries; it doubles each time
 TRANSIENT_STATUS = (408, 429)  # 4xx that say "later", not "never"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from stages.common.errors import RegraftError
-from stages.common.tensor_io import SafetensorsFiles
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.tensor_io import SafetensorsFiles
 
 VOCAB_MAP_FILE = "vocab_map.safetensors"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.common.artifacts import read_manifest
-from stages.common.errors import RegraftError
+from stages.common.contract.artifacts import read_manifest
+from stages.common.contract.errors import RegraftError
 
 
 def part_slice(count: int, part: int | None, parts: int, stage: str, items: str = "conversations") -> slice:

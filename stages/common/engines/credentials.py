@@ -18,7 +18,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-from stages.common.errors import RegraftError
+from stages.common.contract.errors import RegraftError
 
 DEFAULT_KEY_ENV = "REGRAFT_API_KEY"
 UNAUTHORIZED = (401, 403)

@@ -22,9 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.table import Table
 
-from stages.common.errors import RegraftError
+from stages.common.contract.errors import RegraftError
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 
 @dataclass

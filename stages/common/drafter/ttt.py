@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from stages.common.eagle3 import Eagle3Drafter, TTTCache
-from stages.common.target import TargetSignals
+from stages.common.drafter.eagle3 import Eagle3Drafter, TTTCache
+from stages.common.drafter.target import TargetSignals
 
 DECAY = 0.8  # weight of draft step k's loss is DECAY**k
 

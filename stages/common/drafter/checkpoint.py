@@ -3,11 +3,11 @@
 - `sglang` (SGLang / SpecForge): weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`.
 - `speculators` (vLLM / speculators): the layer is `layers.0.*`; may carry `verifier_lm_head`.
 
-The config.json side (layouts, aux-layer conventions) is stages/common/drafter_config.py. Reading detects the
+The config.json side (layouts, aux-layer conventions) is stages/common/drafter/config.py. Reading detects the
 layout; writing streams tensors, so converting a Kimi-sized drafter never holds it in memory. Inside regraft every
 tensor goes by its sglang name (`midlayer.*`).
 
-    python -m stages.common.checkpoint SRC OUT --layout speculators   # convert between layouts
+    python -m stages.common.drafter.checkpoint SRC OUT --layout speculators   # convert between layouts
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from typing import Iterator
 
 import torch
 
-from stages.common.drafter_config import (CONVENTIONS, LAYOUT_CONVENTION, LAYOUTS, DrafterConfig, Layout, parse_config,
+from stages.common.drafter.config import (CONVENTIONS, LAYOUT_CONVENTION, LAYOUTS, DrafterConfig, Layout, parse_config,
                                           render_config)
-from stages.common.errors import RegraftError
-from stages.common.tensor_io import SafetensorsFiles, TensorSpec, spec_of, write_safetensors
-from stages.common.vocab import VocabMap
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.tensor_io import SafetensorsFiles, TensorSpec, spec_of, write_safetensors
+from stages.common.drafter.vocab import VocabMap
 
 LAYER_PREFIX = {"sglang": "midlayer.", "speculators": "layers.0."}
 
@@ -156,7 +156,7 @@ def convert_checkpoint(source: str | Path, out_dir: str | Path, layout: Layout, 
     engines read unless `aux_convention` says otherwise. `verifier` (a target folder or hub id) is the target it
     serves, deployed as `verifier_name` (default: `verifier` as given; `DrafterConfig.with_verifier`); without
     either, the verifier the checkpoint records."""
-    from stages.common.artifacts import staged_output
+    from stages.common.contract.artifacts import staged_output
 
     checkpoint = DrafterCheckpoint.open(source)
     config = checkpoint.config

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from stages.common.errors import RegraftError
+from stages.common.contract.errors import RegraftError
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,4 @@
-"""The vLLM side of `stages/common/vllm_engine.py`: one offline `vllm.LLM`, driven by JSON lines.
+"""The vLLM side of `stages/common/engines/vllm_engine.py`: one offline `vllm.LLM`, driven by JSON lines.
 
 Runs in the engine venv (`.venv-vllm`, `make venv-vllm`), which has vLLM and its own transformers but not regraft's
 dependencies, so this module imports only the standard library at module level (regraft's venv imports it too,
@@ -101,7 +101,8 @@ def generate(llm, request: dict) -> dict:
 
 def hidden_states(llm, request: dict) -> dict:
     """One prefill per prompt (max_tokens 1); the connector saves each request's states and names the file."""
-    from stages.common import vllm_hidden_states  # noqa: F401  (vLLM loads it by module path; here for the cache key)
+    # vLLM loads it by module path; imported here for the cache key
+    from stages.common.engines import vllm_hidden_states  # noqa: F401
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -145,7 +146,7 @@ def main() -> int:
     start = time.perf_counter()
     import vllm  # noqa: F401  (the minute of imports, reported apart from the engine's own start)
 
-    from stages.common.artifacts import package_versions  # standard library only at import
+    from stages.common.contract.artifacts import package_versions  # standard library only at import
 
     out.write(json.dumps({"imported": time.perf_counter() - start, "versions": package_versions()}) + "\n")
     serve(sys.stdin, out)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from stages.common.errors import RegraftError
-from stages.common.tensor_io import SafetensorsFiles
+from stages.common.contract.errors import RegraftError
+from stages.common.drafter.tensor_io import SafetensorsFiles
 
 LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
 EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stages.common.drafter_config import OUTPUT_OF_LAYER, convert_aux_layer_ids
-from stages.common.errors import RegraftError
+from stages.common.drafter.config import OUTPUT_OF_LAYER, convert_aux_layer_ids
+from stages.common.contract.errors import RegraftError
 
 
 HEAD_CHUNK_ELEMENTS = 2 ** 24  # logits per vocab chunk (64 MB in fp32): tokens x chunk rows
@@ -175,7 +175,7 @@ class TargetHead:
     """Only the target's token embeddings and lm_head, read from its folder: enough to train on cached features."""
 
     def __init__(self, path: str | Path):
-        from stages.common.verifier import EMBED_NAMES, Verifier
+        from stages.common.drafter.verifier import EMBED_NAMES, Verifier
 
         verifier = Verifier.open(path)
         files = verifier.files
@@ -216,7 +216,7 @@ class FinalNorm:
     def load(cls, path: str | Path) -> "FinalNorm":
         import json
 
-        from stages.common.verifier import Verifier
+        from stages.common.drafter.verifier import Verifier
 
         config = json.loads((Path(path) / "config.json").read_text())
         config = config.get("text_config", config)

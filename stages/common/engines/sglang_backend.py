@@ -9,7 +9,7 @@ it from SGLang's `meta_info` (`completion_tokens`, `spec_verify_ct`), greedy, ca
 The server is started as `python -m sglang.launch_server ... --speculative-algorithm EAGLE3 ...` in its own process
 group, its output kept in a log file, and the whole group stopped afterwards; or `server_url` names one already
 running. The client uses the standard library only; a server run with `--api-key` gets the key from the variable
-`api_key_env` names as a bearer token (stages/common/credentials.py), and a refused key ends the probe at once.
+`api_key_env` names as a bearer token (stages/common/engines/credentials.py), and a refused key ends the probe at once.
 
     rows = run_sglang(SglangConfig(), target=..., drafter=..., conversations=[["Hi"]], render=..., ...)
 """
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from stages.common.credentials import DEFAULT_KEY_ENV, UNAUTHORIZED, authorize, refuse_secrets, refused_key
-from stages.common.drafter_config import CONVENTIONS, INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
-from stages.common.engine_process import ServerProcess
-from stages.common.errors import RegraftError
-from stages.common.runtime import free_port
+from stages.common.engines.credentials import DEFAULT_KEY_ENV, UNAUTHORIZED, authorize, refuse_secrets, refused_key
+from stages.common.drafter.config import CONVENTIONS, INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
+from stages.common.engines.engine_process import ServerProcess
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.runtime import free_port
 
 @dataclass
 class SglangConfig:
@@ -198,7 +198,7 @@ def engine_reading(ids: list[int], engine: str) -> str:
 
 def drafter_convention(config: dict) -> tuple[list[int] | None, str, str]:
     """(aux ids, convention, "recorded"/"inferred") of a drafter's config.json, inferred as
-    stages.common.checkpoint does: first id 1 -> output_of_layer, 2 -> input_of_layer, else the layout's default
+    stages.common.drafter.checkpoint does: first id 1 -> output_of_layer, 2 -> input_of_layer, else the layout's default
     (sglang: output_of_layer, speculators: input_of_layer)."""
     eagle = config.get("eagle_config") or {}
     ids = config.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
@@ -234,7 +234,7 @@ def aux_convention_warning(drafter_config: dict, engine: str = "sglang") -> str 
     converted = convert_aux_layer_ids(ids, convention, reading)
     if engine_reading(converted, engine) == reading:
         layout = "sglang" if engine == "sglang" else "speculators"
-        fix = (f"convert it: python -m stages.common.checkpoint DRAFTER OUT --layout {layout} "
+        fix = (f"convert it: python -m stages.common.drafter.checkpoint DRAFTER OUT --layout {layout} "
                f"--aux-convention {reading}")
     else:
         fix = (f"no id list names these layers for {engine}: converted to {reading} ({converted}) they would be "

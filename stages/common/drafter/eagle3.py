@@ -1,9 +1,15 @@
-"""The EAGLE-3 drafter as a torch module, loadable from either checkpoint layout.
+"""The EAGLE-3 drafter as a torch module, every family of it, loadable from either checkpoint layout.
 
 One decoder layer whose attention reads `cat(input_layernorm(embed), hidden_norm(h))` (2H wide), a residual on h,
 a SwiGLU MLP, then `norm` and `lm_head` over the draft vocab. `fc` projects the target's three concatenated aux
 hidden states (3 * H_target -> H) into h for the first draft step; later steps feed back the layer's own output.
 Parameter names match the sglang layout, so `state_dict()` is a checkpoint.
+
+The families differ in three places, each decided here from the config, so no caller branches on them:
+- before fc (EAGLE-3.1): `input_norm` over the concatenated aux states (norm_before_fc), then `fc_norm.{k}` on each
+  (fc_norm); vLLM's `combine_hidden_states` applies them in this order.
+- the next step's input (EAGLE-3.1 `norm_output`): the post-`norm` state instead of the layer's residual output.
+- the attention: Llama's q/k/v, or DeepSeek's MLA (`MLAAttention`), both through the same KV and TTT caches.
 """
 from __future__ import annotations
 
@@ -15,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.common.checkpoint import DrafterCheckpoint, write_drafter
-from stages.common.drafter_config import DrafterConfig, Layout
-from stages.common.vocab import VocabMap
+from stages.common.drafter.checkpoint import DrafterCheckpoint, write_drafter
+from stages.common.drafter.config import DrafterConfig, Layout
+from stages.common.drafter.vocab import VocabMap
 
 
 class RMSNorm(nn.Module):
@@ -51,9 +57,19 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Ten
     return (x.float() * angles.cos() + rotate_half(x.float()) * angles.sin()).to(x.dtype)
 
 
+def interleaved_rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
+    """DeepSeek's rotary embedding, which rotates the pairs (x[2i], x[2i+1]) (vLLM's is_neox_style=False): the pairs
+    moved to the halves, then rotate-half, as transformers' DeepSeek-V3 does. Queries and keys get the same
+    permutation, so their dot products are DeepSeek's."""
+    B, heads, T, dim = x.shape
+    halves = x.view(B, heads, T, dim // 2, 2).transpose(-1, -2).reshape(B, heads, T, dim)
+    return rope(halves, position_ids, theta)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA of T new queries over `past` cached plus T new keys (grouped-query heads allowed)."""
+    """SDPA of T new queries over `past` cached plus T new keys (grouped-query heads allowed; values may be narrower
+    than queries and keys, as MLA's are)."""
     T = q.shape[2]
     if attention_mask is None and T > 1:  # one query may attend every cached key: no mask to build
         attention_mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
@@ -129,6 +145,10 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
 
+    def input_projections(self) -> list[nn.Linear]:
+        """The projections that read the 2H-wide cat(embeds, hidden)."""
+        return [self.q_proj, self.k_proj, self.v_proj]
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | TTTCache | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -141,6 +161,56 @@ class Eagle3Attention(nn.Module):
         else:
             out = cache.attend(q, k, v, attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek's multi-head latent attention on the 2H-wide drafter input (vLLM's deepseek_eagle3.py, NeMo
+    Automodel's draft_deepseek.py): queries through a low-rank `q_a_proj` (or a plain `q_proj` when q_lora_rank is
+    null); keys and values expanded from one normed latent of kv_lora_rank, plus one rope key shared by all heads.
+    Computed in the expanded form (per-head k and v), which is what the absorbed kernels compute."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        H, eps, heads = config.hidden_size, config.rms_norm_eps, config.num_heads
+        q_rank, kv_rank = config.layer.get("q_lora_rank"), config.mla_dim("kv_lora_rank")
+        self.nope, self.rope_dim, self.v_dim = (config.mla_dim(key) for key in
+                                                ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        self.num_heads, self.kv_rank, self.rope_theta = heads, kv_rank, config.rope_theta
+        q_width = heads * (self.nope + self.rope_dim)
+        if q_rank:
+            self.q_a_proj = nn.Linear(2 * H, q_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_rank, eps)
+            self.q_b_proj = nn.Linear(q_rank, q_width, bias=False)
+        else:
+            self.q_proj = nn.Linear(2 * H, q_width, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * H, kv_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_rank, eps)
+        self.kv_b_proj = nn.Linear(kv_rank, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, H, bias=False)
+
+    def input_projections(self) -> list[nn.Linear]:
+        """The projections that read the 2H-wide cat(embeds, hidden)."""
+        return [self.q_proj if hasattr(self, "q_proj") else self.q_a_proj, self.kv_a_proj_with_mqa]
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | TTTCache | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.queries(x).view(B, T, self.num_heads, self.nope + self.rope_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], dim=-1)
+        q_rope = interleaved_rope(q_rope, position_ids, self.rope_theta)
+        k_rope = interleaved_rope(k_rope.view(B, 1, T, self.rope_dim), position_ids, self.rope_theta)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(B, self.num_heads, T, self.rope_dim)), dim=-1)
+        out = causal_attention(q, k, v, 0, attention_mask) if cache is None else cache.attend(q, k, v, attention_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim))
 
 
 class Eagle3MLP(nn.Module):
@@ -162,7 +232,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps)
         self.hidden_norm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = MLAAttention(config) if config.mla else Eagle3Attention(config)
         self.mlp = Eagle3MLP(H, config.intermediate_size)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
@@ -177,7 +247,8 @@ class Eagle3DecoderLayer(nn.Module):
 @dataclass
 class DraftOutput:
     logits: torch.Tensor  # [B, T, draft_vocab]
-    hidden: torch.Tensor  # [B, T, H], the layer output before `norm`: the next draft step's input
+    hidden: torch.Tensor  # [B, T, H], the next draft step's input: the layer output before `norm` (after it with
+    # EAGLE-3.1's norm_output)
 
 
 class Eagle3Drafter(nn.Module):
@@ -185,7 +256,10 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         self.config = config
         H = config.hidden_size
-        self.fc = nn.Linear(3 * config.aux_hidden_size, H, bias=False)
+        aux = config.aux_hidden_size
+        self.input_norm = RMSNorm(3 * aux, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(aux, config.rms_norm_eps) for _ in range(3)) if config.fc_norm else None
+        self.fc = nn.Linear(3 * aux, H, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
@@ -233,9 +307,18 @@ class Eagle3Drafter(nn.Module):
         state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
         return write_drafter(out_dir, self.config, state, layout)
 
+    def aux_as_fc_reads(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """The concatenated aux states through EAGLE-3.1's norms (none for EAGLE-3): what `fc` multiplies."""
+        if self.input_norm is not None:
+            aux_hidden = self.input_norm(aux_hidden)
+        if self.fc_norm is not None:
+            chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return aux_hidden
+
     def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, 3 * H_target] concatenated aux hidden states -> [B, T, H]."""
-        return self.fc(aux_hidden)
+        return self.fc(self.aux_as_fc_reads(aux_hidden))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache: KVCache | TTTCache | None = None, attention_mask: torch.Tensor | None = None) -> DraftOutput:
@@ -243,7 +326,8 @@ class Eagle3Drafter(nn.Module):
             start = cache.length if isinstance(cache, KVCache) else 0
             position_ids = torch.arange(start, start + embeds.shape[1], device=embeds.device)[None]
         out = self.midlayer(embeds, hidden, position_ids, cache, attention_mask)
-        return DraftOutput(logits=self.lm_head(self.norm(out)), hidden=out)
+        normed = self.norm(out)
+        return DraftOutput(logits=self.lm_head(normed), hidden=normed if self.config.norm_output else out)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[draft_ids] + draft_ids

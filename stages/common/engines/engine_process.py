@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from stages.common.errors import RegraftError
+from stages.common.contract.errors import RegraftError
 
 LOG_TAIL_LINES = 8
 HEALTH_POLL_S = 0.2  # GET /health interval while a server starts

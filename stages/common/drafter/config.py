@@ -1,14 +1,21 @@
 """A drafter's config.json, whatever the layout, as one `DrafterConfig`; and the two aux-layer conventions.
 
 - `sglang` (SGLang / SpecForge): `architectures: ["LlamaForCausalLMEagle3"]`, the Llama layer fields at top level,
-  `draft_vocab_size`, optional `target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`.
+  `draft_vocab_size`, optional `target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`. An MLA
+  drafter in this layout is the plain HF config vLLM registers: `architectures: ["Eagle3DeepseekV2ForCausalLM"]`
+  (or V3), `model_type: deepseek_v2` (vLLM turns a `deepseek_v3` draft config into an MTP model), the MLA fields.
 - `speculators` (vLLM / speculators): `speculators_model_type: eagle3`, the layer config nested in
-  `transformer_layer_config`, aux ids at top level.
+  `transformer_layer_config`, aux ids at top level. Its loader takes llama and qwen3 layers only: no MLA drafter.
+
+Families (`DrafterConfig.family`): `eagle3`; `eagle3.1`, any of the three EAGLE-3.1 toggles (top-level keys in both
+layouts; vLLM also reads `norm_before_fc` from `eagle_config`): `fc_norm` (an RMSNorm per aux state before fc),
+`norm_before_fc` (one RMSNorm over the concatenated aux states), `norm_output` (the next draft step reads the
+post-norm state); `mla`, a DeepSeek MLA attention (`kv_lora_rank` set), with or without the toggles.
 
 "Output of layer" ids `[1, L//2-1, L-4]` (SpecForge, EAGLE) and "input of layer" ids `[2, L//2, L-3]` (vLLM,
 speculators) name the same tensors and differ by one. The convention is recorded in a `regraft` block of every
 config regraft writes; a config without it gets it inferred, and says so. The checkpoint's tensors are read and
-written by stages/common/checkpoint.py.
+written by stages/common/drafter/checkpoint.py.
 
 Every key of a drafter config is known or refused (`check_keys`), at every level (top, `eagle_config`,
 `transformer_layer_config`): engines apply keys regraft would ignore (vLLM decodes `norm_output: true` differently),
@@ -28,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from stages.common.artifacts import read_manifest
-from stages.common.errors import RegraftError
+from stages.common.contract.artifacts import read_manifest
+from stages.common.contract.errors import RegraftError
 
 Layout = Literal["sglang", "speculators"]
 LAYOUTS: tuple[str, ...] = ("sglang", "speculators")
@@ -39,6 +46,15 @@ INPUT_OF_LAYER = "input_of_layer"
 CONVENTIONS = (OUTPUT_OF_LAYER, INPUT_OF_LAYER)
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3Speculator"
+MLA_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")  # vLLM's registry: deepseek_eagle3.py
+MLA_MODEL_TYPE = "deepseek_v2"  # vLLM rewrites a deepseek_v3 draft config into DeepSeek's MTP, which fails for EAGLE-3
+EAGLE31_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# how a drafter is built for `family` (FinetuneConfig.family): EAGLE-3.1 as speculators 0.9.0 trains Llama-arch
+# drafters (--norm-before-fc --norm-output); mla3.1 as the Kimi line's eagle3.1-mla drafters (fc_norm, norm_output)
+FAMILY_FLAGS: dict[str, dict[str, bool]] = {
+    "eagle3": {}, "eagle3.1": {"norm_before_fc": True, "norm_output": True},
+    "mla": {}, "mla3.1": {"fc_norm": True, "norm_output": True}}
 
 
 def default_aux_layer_ids(num_target_layers: int, convention: str) -> list[int]:
@@ -68,11 +84,37 @@ class DrafterConfig:
     aux_convention_source: str = "recorded"  # or how it was inferred
     target_num_layers: int | None = None
     norm_before_residual: bool = False
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm on each aux state before fc (`fc_norm.{k}.weight`)
+    norm_before_fc: bool = False  # EAGLE-3.1: one RMSNorm over the concatenated aux states (`input_norm.weight`)
+    norm_output: bool = False  # EAGLE-3.1: the next draft step reads the post-`norm` state, not the residual
     verifier: str | None = None  # the target it was trained for, as deployed (`verifier_identity`); None: unknown
     verifier_architectures: list[str] = field(default_factory=list)  # that target's config.json architectures
     extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys, kept as they were
     # Keys only one layout understands, by layout; written in that layout, stashed in the `regraft` block otherwise.
     layout_extras: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def mla(self) -> bool:
+        """A DeepSeek MLA attention (its latent rank set), not Llama's."""
+        return bool(self.layer.get("kv_lora_rank"))
+
+    @property
+    def eagle31_flags(self) -> list[str]:
+        return [flag for flag in EAGLE31_FLAGS if getattr(self, flag)]
+
+    @property
+    def family(self) -> str:
+        """eagle3, eagle3.1, mla or mla3.1: the backbone, and whether any EAGLE-3.1 toggle is on."""
+        if not self.eagle31_flags:
+            return "mla" if self.mla else "eagle3"
+        return "mla3.1" if self.mla else "eagle3.1"
+
+    def describe(self) -> str:
+        """The family as every stage shows it: `mla3.1 (fc_norm, norm_output)`."""
+        return self.family + (f" ({', '.join(self.eagle31_flags)})" if self.eagle31_flags else "")
+
+    def mla_dim(self, key: str) -> int:
+        return int(self.layer[key])
 
     @property
     def hidden_size(self) -> int:
@@ -126,14 +168,38 @@ class DrafterConfig:
         ids = self.aux_layer_ids and convert_aux_layer_ids(self.aux_layer_ids, self.aux_convention, convention)
         return replace(self, aux_layer_ids=ids, aux_convention=convention, aux_convention_source="recorded")
 
+    def attention_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The attention's weights: Llama's q/k/v/o, or MLA's (q through a LoRA unless q_lora_rank is null; one
+        latent and one shared rope key for k and v). The first projections read the 2H-wide cat(embeds, hidden)."""
+        H, heads = self.hidden_size, self.num_heads
+        if self.mla:
+            q_rank, kv_rank = self.layer.get("q_lora_rank"), self.mla_dim("kv_lora_rank")
+            nope, rope, v = (self.mla_dim(key) for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+            q = {"q_a_proj.weight": (q_rank, 2 * H), "q_a_layernorm.weight": (q_rank,),
+                 "q_b_proj.weight": (heads * (nope + rope), q_rank)} if q_rank else \
+                {"q_proj.weight": (heads * (nope + rope), 2 * H)}
+            shapes = {**q, "kv_a_proj_with_mqa.weight": (kv_rank + rope, 2 * H), "kv_a_layernorm.weight": (kv_rank,),
+                      "kv_b_proj.weight": (heads * (nope + v), kv_rank), "o_proj.weight": (H, heads * v)}
+            return {f"midlayer.self_attn.{name}": shape for name, shape in shapes.items()}
+        q_out, kv_out = heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {"q_proj.weight": (q_out, 2 * H), "k_proj.weight": (kv_out, 2 * H),
+                  "v_proj.weight": (kv_out, 2 * H), "o_proj.weight": (H, q_out)}
+        if self.attention_bias:
+            shapes.update({"q_proj.bias": (q_out,), "k_proj.bias": (kv_out,), "v_proj.bias": (kv_out,),
+                           "o_proj.bias": (H,)})
+        return {f"midlayer.self_attn.{name}": shape for name, shape in shapes.items()}
+
+    def aux_norm_shapes(self) -> dict[str, tuple[int, ...]]:
+        """EAGLE-3.1's norms before fc: one per aux state (fc_norm), one over all three (norm_before_fc)."""
+        shapes = {f"fc_norm.{k}.weight": (self.aux_hidden_size,) for k in range(3)} if self.fc_norm else {}
+        if self.norm_before_fc:
+            shapes["input_norm.weight"] = (3 * self.aux_hidden_size,)
+        return shapes
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         H, I, N, V = self.hidden_size, self.intermediate_size, self.draft_vocab_size, self.vocab_size
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes: dict[str, tuple[int, ...]] = {
-            "midlayer.self_attn.q_proj.weight": (q_out, 2 * H),
-            "midlayer.self_attn.k_proj.weight": (kv_out, 2 * H),
-            "midlayer.self_attn.v_proj.weight": (kv_out, 2 * H),
-            "midlayer.self_attn.o_proj.weight": (H, q_out),
+            **self.attention_shapes(),
             "midlayer.mlp.gate_proj.weight": (I, H),
             "midlayer.mlp.up_proj.weight": (I, H),
             "midlayer.mlp.down_proj.weight": (H, I),
@@ -145,10 +211,8 @@ class DrafterConfig:
             "lm_head.weight": (N, H),
             "d2t": (N,),
             "t2d": (V,),
+            **self.aux_norm_shapes(),
         }
-        if self.attention_bias:
-            shapes.update({"midlayer.self_attn.q_proj.bias": (q_out,), "midlayer.self_attn.k_proj.bias": (kv_out,),
-                           "midlayer.self_attn.v_proj.bias": (kv_out,), "midlayer.self_attn.o_proj.bias": (H,)})
         return shapes
 
     def optional_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -163,24 +227,25 @@ STRUCTURAL_KEYS = frozenset({
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
     "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "attention_bias", "vocab_size", "draft_vocab_size",
     "target_hidden_size", "norm_before_residual", "eagle_config", "eagle_aux_hidden_state_layer_ids",
-    "speculators_model_type", "transformer_layer_config", "speculators_config", "regraft"})
+    "speculators_model_type", "transformer_layer_config", "speculators_config", "regraft", *EAGLE31_FLAGS, *MLA_KEYS})
 # Cannot change what the drafter computes at inference: provenance, the dtype on disk, token ids, cache and training
 # switches, the position limit (RoPE does not read it), embedding tying (the drafter has no embedding of its own).
 METADATA_KEYS = frozenset({
     "torch_dtype", "dtype", "transformers_version", "_name_or_path", "auto_map", "bos_token_id", "eos_token_id",
     "pad_token_id", "initializer_range", "use_cache", "pretraining_tp", "tie_word_embeddings",
     "max_position_embeddings", "max_window_layers", "speculators_version", "embed_requires_grad", "enable_sp_ulysses",
-    "num_lookahead_tokens"})
-# Change the forward, by the value regraft implements: one Llama layer, plain RoPE, SiLU MLP without biases, EAGLE-3's
-# norms, the aux states through fc. The EAGLE-3.1 toggles (vLLM's llama_eagle3.py, speculators' algos), MLA
-# (deepseek_eagle3.py), scaled RoPE and the rest are refused at any other value until regraft implements them.
+    "num_lookahead_tokens",
+    # a DeepSeek config's MoE fields: vLLM's MLA drafter builds one dense MLP (intermediate_size) and reads none
+    "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
+    "moe_layer_freq", "routed_scaling_factor", "topk_method", "topk_group", "n_group", "scoring_func",
+    "norm_topk_prob", "aux_loss_alpha", "seq_aux", "ep_size"})
+# Change the forward, by the value regraft implements: one layer, plain RoPE, SiLU MLP without biases, the aux states
+# through fc. Scaled RoPE and the rest are refused at any other value until regraft implements them.
 FUNCTION_KEYS: dict[str, Any] = {
-    "norm_output": False, "fc_norm": False, "norm_before_fc": False, "use_aux_hidden_state": True,
+    "use_aux_hidden_state": True,
     "num_hidden_layers": 1, "hidden_act": "silu", "mlp_bias": False, "qkv_bias": False, "bias": False,
     "logit_scale": 1.0, "is_causal": True, "attention_dropout": 0.0, "rope_scaling": None,
-    "use_sliding_window": False, "sliding_window": None, "layer_types": None, "parallel_drafting": False,
-    "kv_lora_rank": None, "q_lora_rank": None, "qk_rope_head_dim": None, "qk_nope_head_dim": None,
-    "v_head_dim": None}
+    "use_sliding_window": False, "sliding_window": None, "layer_types": None, "parallel_drafting": False}
 PLAIN_ROPE = (None, "default")
 
 
@@ -206,7 +271,7 @@ def check_keys(raw: dict[str, Any], path: Path, where: str = "") -> None:
         elif key not in STRUCTURAL_KEYS and key not in METADATA_KEYS:
             raise RegraftError(path, f"unknown drafter config key {name}: engines may apply it, regraft would not",
                                f"remove it; if it cannot change the drafter's function, add it to METADATA_KEYS in "
-                               f"stages/common/drafter_config.py")
+                               f"stages/common/drafter/config.py")
     for block in ("eagle_config", "transformer_layer_config"):
         if isinstance(raw.get(block), dict):
             check_keys(raw[block], path, f"{where}{block}.")
@@ -215,9 +280,10 @@ def check_keys(raw: dict[str, Any], path: Path, where: str = "") -> None:
 # ---------------------------------------------------------------- config.json <-> DrafterConfig
 
 SGLANG_KEYS = {"architectures", "draft_vocab_size", "target_hidden_size", "eagle_config", "regraft",
-               "eagle_aux_hidden_state_layer_ids", "norm_before_residual"}
+               "eagle_aux_hidden_state_layer_ids", "norm_before_residual", *EAGLE31_FLAGS}
 SPECULATORS_KEYS = {"architectures", "speculators_model_type", "transformer_layer_config", "draft_vocab_size",
-                    "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "regraft"}
+                    "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "regraft",
+                    *EAGLE31_FLAGS}
 SPECULATORS_ONLY_KEYS = {"speculators_config", "speculators_version", "embed_requires_grad", "enable_sp_ulysses"}
 DEFAULT_SPECULATORS_CONFIG = {
     "algorithm": "eagle3", "default_proposal_method": "greedy",
@@ -229,10 +295,10 @@ DEFAULT_SPECULATORS_CONFIG = {
 def detect_layout(raw: dict[str, Any], path: Path) -> Layout:
     if raw.get("speculators_model_type") == "eagle3":
         return "speculators"
-    if SGLANG_ARCH in (raw.get("architectures") or []):
+    if {SGLANG_ARCH, *MLA_ARCHS} & set(raw.get("architectures") or []):
         return "sglang"
     raise RegraftError(path, f"not an EAGLE-3 drafter config (architectures={raw.get('architectures')})",
-                       f"expected architectures [{SGLANG_ARCH}] or speculators_model_type eagle3")
+                       f"expected architectures [{SGLANG_ARCH}] (or {MLA_ARCHS[0]}) or speculators_model_type eagle3")
 
 
 def _infer_convention(ids: list[int] | None, layout: Layout) -> tuple[str, str]:
@@ -253,16 +319,23 @@ def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig
         layer = {k: v for k, v in raw.items() if k not in SGLANG_KEYS}
         eagle = dict(raw.get("eagle_config") or {})
         ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.pop("eagle_aux_hidden_state_layer_ids", None)
+        flags = {flag: bool(raw.get(flag) or (flag == "norm_before_fc" and eagle.pop(flag, False)))
+                 for flag in EAGLE31_FLAGS}  # vLLM reads norm_before_fc from eagle_config first
         if ids and eagle.get("use_aux_hidden_state") is True:
             del eagle["use_aux_hidden_state"]  # implied by the ids; rendering sets it again
         own = {"eagle_config": eagle} if eagle else {}
         extra = {}
     else:
         layer = dict(raw.get("transformer_layer_config") or {})
+        if layer.get("kv_lora_rank"):
+            raise RegraftError(path, f"transformer_layer_config.kv_lora_rank={layer['kv_lora_rank']}: an MLA layer, "
+                               "which vLLM's speculators loader does not build (llama and qwen3 only)",
+                               "write an MLA drafter in the sglang layout (Eagle3DeepseekV2ForCausalLM)")
         if layer.get("model_type", "llama") != "llama":  # vLLM builds a qwen3 layer (q/k norms) for "qwen3"
             raise RegraftError(path, f"transformer_layer_config.model_type={layer['model_type']!r}: regraft's drafter "
                                "is a Llama layer", "use a drafter with a llama layer")
         ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        flags = {flag: bool(raw.get(flag)) for flag in EAGLE31_FLAGS}
         rest = {k: v for k, v in raw.items() if k not in SPECULATORS_KEYS}
         own = {k: v for k, v in rest.items() if k in SPECULATORS_ONLY_KEYS and k not in recorded.get("generated", [])}
         extra = {k: v for k, v in rest.items() if k not in SPECULATORS_ONLY_KEYS}
@@ -273,6 +346,8 @@ def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig
             raise RegraftError(path, f"{layout} drafter config has no {key}", "add the Llama layer fields")
     if "draft_vocab_size" not in raw:
         raise RegraftError(path, "drafter config has no draft_vocab_size", "set it to the lm_head row count")
+    if layer.get("kv_lora_rank"):
+        check_mla(layer, flags, path)
     named = (raw.get("speculators_config") or {}).get("verifier") or {}
     if recorded.get("aux_convention") in CONVENTIONS:
         convention, source = recorded["aux_convention"], "recorded"
@@ -283,10 +358,22 @@ def parse_config(raw: dict[str, Any], path: Path) -> tuple[Layout, DrafterConfig
         aux_layer_ids=list(ids) if ids else None, aux_convention=convention, aux_convention_source=source,
         target_num_layers=recorded.get("target_num_layers"),
         norm_before_residual=bool(raw.get("norm_before_residual", layout == "speculators")),  # vLLM's defaults
+        **flags,
         verifier=deployable(recorded.get("verifier") or named.get("name_or_path")),
         verifier_architectures=list(recorded.get("verifier_architectures") or named.get("architectures") or []),
         extra=extra, layout_extras=layout_extras)
     return layout, config
+
+
+def check_mla(layer: dict[str, Any], flags: dict[str, bool], path: Path) -> None:
+    """An MLA drafter as vLLM's deepseek_eagle3.py loads it: every MLA dim given, no input_norm."""
+    missing = [key for key in MLA_KEYS if key not in layer]
+    if missing:
+        raise RegraftError(path, f"MLA drafter config has no {', '.join(missing)} (a missing q_lora_rank is read as "
+                           "DeepSeek's 1536 by transformers)", "set every MLA dim (null q_lora_rank: no q LoRA)")
+    if flags["norm_before_fc"]:
+        raise RegraftError(path, "norm_before_fc on an MLA drafter: vLLM's Eagle3DeepseekV2ForCausalLM has no "
+                           "input_norm, so engines would not decode it as trained", "use fc_norm instead")
 
 
 # The aux-layer convention each layout's engines read: SGLang adds one to explicit ids (output of layer); vLLM and
@@ -318,7 +405,8 @@ def render_config(config: DrafterConfig, layout: Layout, aux_convention: str | N
         if config.aux_layer_ids is not None:
             eagle["eagle_aux_hidden_state_layer_ids"] = list(config.aux_layer_ids)
             eagle.setdefault("use_aux_hidden_state", True)
-        raw: dict[str, Any] = {"architectures": [SGLANG_ARCH], **config.layer,
+        layer = {**config.layer, "model_type": MLA_MODEL_TYPE} if config.mla else config.layer
+        raw: dict[str, Any] = {"architectures": [MLA_ARCHS[0] if config.mla else SGLANG_ARCH], **layer,
                                "draft_vocab_size": config.draft_vocab_size}
         if config.target_hidden_size is not None:
             raw["target_hidden_size"] = config.target_hidden_size
@@ -327,6 +415,9 @@ def render_config(config: DrafterConfig, layout: Layout, aux_convention: str | N
         if eagle:
             raw["eagle_config"] = eagle
     else:
+        if config.mla:
+            raise RegraftError(None, "an MLA drafter has no speculators layout: vLLM's speculators loader builds "
+                               "llama and qwen3 layers only", "write it in the sglang layout (layout=sglang)")
         raw = {"architectures": [SPECULATORS_ARCH], "speculators_model_type": "eagle3",
                "transformer_layer_config": dict(config.layer), "draft_vocab_size": config.draft_vocab_size,
                "norm_before_residual": config.norm_before_residual, "target_hidden_size": config.target_hidden_size,
@@ -334,6 +425,8 @@ def render_config(config: DrafterConfig, layout: Layout, aux_convention: str | N
         if "speculators_config" not in own:  # vLLM reads the proposal method and verifier from it
             regraft["generated"] = ["speculators_config"]
         own["speculators_config"] = speculators_config(config, own.get("speculators_config"))
+    raw.update({flag: True for flag in config.eagle31_flags})
+    regraft["family"] = config.describe()
     if stashed:
         regraft["layout_extras"] = stashed
     return {**raw, **own, **config.extra, "regraft": regraft}
@@ -378,9 +471,31 @@ def verifier_identity(target_dir: str | Path, name: str | None = None) -> tuple[
     return name or deployable(str(folder.absolute())), architectures
 
 
-def drafter_config_for(target_dir: str | Path, draft_vocab_size: int,
-                       intermediate_size: int | None = None) -> DrafterConfig:
-    """The config of a fresh drafter for the target in `target_dir`: its width and heads, the field's aux layers."""
+# vLLM's CPU MLA kernel (cpu_mla.py) takes head size 576 only: kv_lora_rank 512 + qk_rope_head_dim 64, which are
+# also DeepSeek-V3's and Kimi-K2's
+MLA_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def mla_dims(target: dict[str, Any], hidden: int, heads: int) -> dict[str, Any]:
+    """An MLA drafter's dims: an MLA target's own, else DeepSeek's latent and rope widths with per-head no-rope and
+    value widths of the target's head size."""
+    if target.get("kv_lora_rank"):
+        return {key: target.get(key) for key in MLA_KEYS}
+    head = hidden // heads
+    return {"q_lora_rank": hidden, **MLA_LATENT, "qk_nope_head_dim": head, "v_head_dim": head}
+
+
+def check_family(key: str, family: str | None) -> None:
+    """`family` (None: unset) is one regraft builds; refused as the setting `key` the user wrote."""
+    if family is not None and family not in FAMILY_FLAGS:
+        raise RegraftError(f"{key}={family}", "not a drafter family", f"choose one of {', '.join(FAMILY_FLAGS)}")
+
+
+def drafter_config_for(target_dir: str | Path, draft_vocab_size: int, intermediate_size: int | None = None,
+                       family: str = "eagle3") -> DrafterConfig:
+    """The config of a fresh drafter of `family` (FAMILY_FLAGS) for the target in `target_dir`: its width and
+    heads, the field's aux layers."""
+    check_family("family", family)
     target = target_config(target_dir)
     num_layers = int(target["num_hidden_layers"])
     layer = {
@@ -391,8 +506,11 @@ def drafter_config_for(target_dir: str | Path, draft_vocab_size: int,
         "rms_norm_eps": target.get("rms_norm_eps", 1e-6), "rope_theta": target.get("rope_theta", 10000.0),
         "max_position_embeddings": target.get("max_position_embeddings", 2048), "vocab_size": target["vocab_size"],
     }
+    if family.startswith("mla"):
+        layer.update(model_type=MLA_MODEL_TYPE, **mla_dims(target, int(layer["hidden_size"]),
+                                                            int(layer["num_attention_heads"])))
     return DrafterConfig(layer=layer, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids_for(num_layers),
-                         aux_convention=OUTPUT_OF_LAYER, target_num_layers=num_layers)
+                         aux_convention=OUTPUT_OF_LAYER, target_num_layers=num_layers, **FAMILY_FLAGS[family])
 
 
 def check_drafter_fits_target(config: DrafterConfig, target: dict[str, Any], drafter_path: str | Path,

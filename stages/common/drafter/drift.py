@@ -113,19 +113,46 @@ def fit_embedding_map(embed_a: torch.Tensor, embed_b: torch.Tensor, eps: float, 
     return m
 
 
+def last_aux_gains(drafter) -> list[torch.Tensor]:
+    """The gain of the last RMSNorm in front of fc (EAGLE-3.1), one [H] piece per aux state; none for EAGLE-3."""
+    if drafter.fc_norm is not None:
+        return [norm.weight for norm in drafter.fc_norm]
+    if drafter.input_norm is not None:
+        return list(drafter.input_norm.weight.chunk(3))
+    return []
+
+
+def as_maps_read(drafter, aux: torch.Tensor) -> torch.Tensor:
+    """[n, 3H] aux states where the re-alignment maps act: as fc reads them, but before the last norm's gain. An
+    RMSNorm is not linear, so a map in front of it cannot be folded exactly; after it (on the unit-RMS states it
+    leaves) it can, and the gain folds into fc with it. EAGLE-3: the states as they are."""
+    eps = drafter.config.rms_norm_eps
+    if drafter.fc_norm is not None:
+        x = drafter.input_norm(aux) if drafter.input_norm is not None else aux
+        return torch.cat([unit_rms(chunk, eps) for chunk in x.chunk(3, dim=-1)], dim=-1).to(aux.dtype)
+    if drafter.input_norm is not None:
+        return unit_rms(aux, eps).to(aux.dtype)
+    return aux
+
+
 def realigned(drafter, aux_maps: Realignment, embed_map: torch.Tensor | None):
-    """A copy of the drafter that reads target B: fc folded with the aux maps; with `embed_map`, the embedding
-    half of q/k/v folded with it, the embedding norm's weight moved into them (so the norm stays a plain RMSNorm):
+    """A copy of the drafter that reads target B: fc folded with the aux maps (fitted on `as_maps_read` states;
+    EAGLE-3.1's last norm gain moved into fc, so the norm stays a plain RMSNorm); with `embed_map`, the embedding
+    half of the projections reading cat(embeds, hidden) folded with it, the embedding norm's weight moved into them:
     W[:, :H] diag(g) u_A = W[:, :H] diag(g) M^T u_B. Same shapes, same tensor names as the source drafter."""
     import copy
 
     out = copy.deepcopy(drafter)
     with torch.no_grad():
-        out.fc.weight.copy_(aux_maps.fold(drafter.fc.weight))
+        gains = last_aux_gains(out)
+        fc = drafter.fc.weight * torch.cat(gains) if gains else drafter.fc.weight
+        out.fc.weight.copy_(aux_maps.fold(fc))
+        for gain in gains:
+            gain.fill_(1.0)
         if embed_map is not None:
             layer = out.midlayer
             g, width = layer.input_layernorm.weight.double(), embed_map.shape[0]
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            for proj in layer.self_attn.input_projections():
                 half = proj.weight[:, :width].double()
                 proj.weight[:, :width] = ((half * g) @ embed_map.T).to(proj.weight.dtype)
             layer.input_layernorm.weight.fill_(1.0)

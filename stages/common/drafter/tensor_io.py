@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from stages.common.errors import RegraftError
+from stages.common.contract.errors import RegraftError
 
 ROWS_PER_CHUNK = 2048
 DTYPE_NAMES: dict[torch.dtype, str] = {

@@ -1,7 +1,7 @@
 """vLLM as an engine for regraft's stages: one offline `vllm.LLM` in a subprocess of the engine venv.
 
 vLLM pins its own transformers, so it lives in its own venv (`make venv-vllm` builds `.venv-vllm`); regraft drives
-it through `stages/common/vllm_worker.py` with JSON lines: token-id prompts in, token ids and vLLM's own counters
+it through `stages/common/engines/vllm_worker.py` with JSON lines: token-id prompts in, token ids and vLLM's own counters
 out. The engine stays up across requests (a multi-turn probe asks turn 2 after it has read turn 1's answers), in its
 own process group with its output in a log file, and the whole group is stopped on exit, after an error too.
 
@@ -19,19 +19,22 @@ import json
 import os
 import selectors
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from filelock import FileLock
 from omegaconf import DictConfig
 
-from stages.common import vllm_worker  # noqa: F401  (runs in the engine venv; imported here for the cache key)
-from stages.common.engine_process import log_tail, stop_group
-from stages.common.errors import RegraftError
+from stages.common.engines import vllm_worker  # noqa: F401  (runs in the engine venv; imported here for the cache key)
+from stages.common.engines.engine_process import log_tail, stop_group
+from stages.common.contract.errors import RegraftError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
+START_LOCK = Path(tempfile.gettempdir()) / f"regraft-vllm-start-{os.getuid()}.lock"
 KNOWN_FAILURES = {  # vLLM's message -> what the user can do about it
     "Unsupported CPU attention configuration": "vLLM's CPU attention takes head sizes (hidden_size / "
     "num_attention_heads) of 32, 64, 80, 96, 112, 128 and up; serve this target on a GPU, or use the hf backend",
@@ -55,11 +58,20 @@ class VllmConfig:
     threads: Optional[int] = 1  # torch intra-op threads of an in-process CPU engine; vLLM's own engine process sets
     # (and pins) them, in-process it does not, and batch-1 decoding on 2 busy cores ran ~10x slower with 2 threads
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the engine process
+    # start one engine at a time on this machine (a lock over its import and load; requests overlap freely). Off:
+    # on 2 cores three engines started side by side were all up sooner than one after another, in the default
+    # run's three vLLM probes too (bench/engine_start.py, docs/results.md)
+    serial_start: bool = False
 
 
 def engine_python(cfg: VllmConfig) -> Path:
     path = Path(cfg.python)
     return path if path.is_absolute() else ROOT / path
+
+
+def start_lock(cfg: VllmConfig) -> FileLock | None:
+    """The machine-wide lock an engine holds while it starts, or None where engines start side by side."""
+    return FileLock(str(START_LOCK)) if cfg.serial_start else None
 
 
 def engine_available(cfg: VllmConfig | None = None) -> bool:
@@ -82,9 +94,12 @@ class VllmEngine:
         self.import_seconds = self.startup_seconds = float("nan")
         self.versions: dict[str, str] = {}  # the engine interpreter's packages (vllm, torch, transformers, ...)
         self._lines = b""
+        self.starting = start_lock(cfg)  # held from the worker's start until its engine is up (None: not taken)
+        self.waited_to_start_s = 0.0
 
     def __enter__(self) -> "VllmEngine":
         check_engine(self.cfg, "")
+        self.take_start_lock()
         python = engine_python(self.cfg)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -94,7 +109,7 @@ class VllmEngine:
         if self.cfg.in_process:
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen([str(python), "-m", "stages.common.vllm_worker"], cwd=ROOT, env=env,
+            self.process = subprocess.Popen([str(python), "-m", "stages.common.engines.vllm_worker"], cwd=ROOT, env=env,
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                             start_new_session=True)
         try:
@@ -119,14 +134,29 @@ class VllmEngine:
                 "trust_remote_code": trust_remote_code, "tensor_parallel_size": self.cfg.tensor_parallel_size,
                 "gpu_memory_utilization": self.cfg.gpu_memory_utilization, "max_model_len": self.cfg.max_model_len,
                 "max_num_seqs": self.cfg.max_num_seqs, "threads": self.cfg.threads, **(extra or {})}
-        self.startup_seconds = self.request({"op": "start", "spec": spec}, self.cfg.startup_timeout_s)[
-            "startup_seconds"]
+        self.take_start_lock()
+        try:
+            self.startup_seconds = self.request({"op": "start", "spec": spec}, self.cfg.startup_timeout_s)[
+                "startup_seconds"]
+        finally:
+            self.release_start_lock()
         return self.startup_seconds
+
+    def take_start_lock(self) -> None:
+        if self.starting is not None and not self.starting.is_locked:
+            waiting = time.monotonic()
+            self.starting.acquire()
+            self.waited_to_start_s += time.monotonic() - waiting
+
+    def release_start_lock(self) -> None:
+        if self.starting is not None and self.starting.is_locked:
+            self.starting.release(force=True)
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def stop(self) -> None:
+        self.release_start_lock()
         if self.process is None:
             return
         try:
@@ -185,9 +215,11 @@ class VllmEngine:
 
 
 def served_drafter(drafter: Path, out_dir: Path, verifier: str | Path) -> Path:
-    """The drafter as vLLM reads it: the speculators layout with input-of-layer aux ids (vLLM's id j is the state
-    after j layers), whatever layout and convention it came in."""
-    from stages.common.checkpoint import convert_checkpoint
-    from stages.common.drafter_config import INPUT_OF_LAYER
+    """The drafter as vLLM reads it: the speculators layout (an MLA drafter, which that layout cannot carry, in the
+    plain HF one vLLM registers as Eagle3DeepseekV2ForCausalLM) with input-of-layer aux ids (vLLM's id j is the state
+    after j layers, in either layout), whatever layout and convention it came in."""
+    from stages.common.drafter.checkpoint import DrafterCheckpoint, convert_checkpoint
+    from stages.common.drafter.config import INPUT_OF_LAYER
 
-    return convert_checkpoint(drafter, out_dir, "speculators", INPUT_OF_LAYER, verifier=str(verifier))
+    layout = "sglang" if DrafterCheckpoint.open(drafter).config.mla else "speculators"
+    return convert_checkpoint(drafter, out_dir, layout, INPUT_OF_LAYER, verifier=str(verifier))

@@ -5,7 +5,7 @@ them all in one forward pass over its KV cache and keeps the longest prefix that
 plus its next token (the bonus). The result is token for token the target's plain greedy output: the drafter only
 decides how many tokens one target forward emits.
 
-Drafter alignment is the training one (`stages/common/ttt.py`): the drafter pair at position t is the target's aux
+Drafter alignment is the training one (`stages/common/drafter/ttt.py`): the drafter pair at position t is the target's aux
 hidden state of token t with the embedding of token t+1, so every token the target has seen enters the drafter's
 cache exactly once, paired with its successor.
 
@@ -27,9 +27,9 @@ from typing import Iterator
 
 import torch
 
-from stages.common.eagle3 import DraftOutput, Eagle3Drafter, KVCache
-from stages.common.runtime import torch_threads
-from stages.common.target import TargetModel
+from stages.common.drafter.eagle3 import DraftOutput, Eagle3Drafter, KVCache
+from stages.common.contract.runtime import torch_threads
+from stages.common.drafter.target import TargetModel
 
 
 DECODE_THREADS: int | None = 1  # intra-op threads while decoding on CPU; None leaves torch's setting

@@ -1,0 +1,188 @@
+"""The target's states from a live vLLM server: online features, for fine-tunes that never read them from disk.
+
+A `vllm serve` started with the `extract_hidden_states` method (speculators' way: the aux layers and the last one
+cached per prompt token, written out by a hidden-states connector when the request ends) answers a completion of
+`max_tokens=1` on a prompt of token ids with `kv_transfer_params.hidden_states_path`: a safetensors file of the
+prompt's states [T, layers, H]. `EngineStates` asks for a batch's rows at once (one request each, so the server
+batches them), reads each file and deletes it, and returns the states padded as the features stage stores them
+(zeros past a row's tokens; the final state after the target's final norm). `EngineRows` is a row source over
+tokenized chats whose `take` does that, so a fine-tune reads the server exactly as it reads shards.
+
+`states_server` starts the server from the engine venv (`make venv-vllm`), or checks one already at a URL; the
+flags it starts one with (`serve_command`) are what an existing server needs too, the connector's files on a
+file system this process reads.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.runtime import free_port
+from stages.common.drafter.config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
+from stages.common.drafter.target import FinalNorm
+from stages.common.engines.engine_process import ServerProcess
+from stages.common.engines.openai_client import request_json, served_models
+from stages.common.engines.vllm_engine import ROOT, VllmConfig, check_engine, engine_python
+
+HOST = "127.0.0.1"
+CONNECTORS = {"cpu": ("CpuHiddenStatesConnector", "stages.common.engines.vllm_hidden_states"),
+              "stock": ("ExampleHiddenStatesConnector", None)}
+
+
+@dataclass
+class EngineFeaturesConfig:
+    """finetune.engine: the target's states for each batch from a vLLM server (features.mode=online)."""
+
+    enabled: bool = False
+    server_url: Optional[str] = None  # a server started with serve_command's flags; None: the stage starts one
+    prefetch: int = 2  # batches asked for ahead of the trainer: the most held in memory at once, besides its own
+    retries: int = 3  # per request, with backoff; then the stage stops with one line naming the server
+    request_timeout_s: float = 600.0
+    connector: str = "cpu"  # cpu: regraft's connector (a CPU build) | stock: vLLM's own (GPU)
+    dtype: str = "float32"  # the target's dtype in the server
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+
+def capture_settings(layer_ids: list[int], num_layers: int, connector: str, spill: Path) -> dict[str, dict]:
+    """vLLM's `extract_hidden_states` speculative config and the connector's kv-transfer config: the aux layers
+    in vLLM's convention (the state after j layers: output-of-layer i is j = i + 1) and the state after the last
+    layer (j = L), each request's states written under `spill`."""
+    if connector not in CONNECTORS:
+        raise RegraftError(f"connector={connector}", "not a hidden-states connector", "use cpu or stock")
+    name, module = CONNECTORS[connector]
+    capture = convert_aux_layer_ids(layer_ids, OUTPUT_OF_LAYER, INPUT_OF_LAYER) + [num_layers]
+    kv_transfer = {"kv_connector": name, "kv_role": "kv_producer",
+                   "kv_connector_extra_config": {"shared_storage_path": str(spill)}}
+    if module:
+        kv_transfer["kv_connector_module_path"] = module
+    return {"speculative": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture}}},
+            "kv_transfer": kv_transfer}
+
+
+def serve_command(cfg: EngineFeaturesConfig, target: str, layer_ids: list[int], max_length: int, spill: Path,
+                  port: int) -> list[str]:
+    """`vllm serve` on the target with the states capture on (chunked prefill off: the capture needs whole prompts)."""
+    settings = capture_settings(layer_ids, FinalNorm.load(target).num_layers, cfg.connector, spill)
+    command = [str(engine_python(cfg.vllm)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
+               "--dtype", cfg.dtype, "--host", HOST, "--port", str(port), "--seed", "0",
+               "--max-model-len", str(cfg.vllm.max_model_len or max_length + 1),
+               "--gpu-memory-utilization", str(cfg.vllm.gpu_memory_utilization),
+               "--tensor-parallel-size", str(cfg.vllm.tensor_parallel_size), "--no-enable-chunked-prefill",
+               "--speculative-config", json.dumps(settings["speculative"]),
+               "--kv-transfer-config", json.dumps(settings["kv_transfer"])]
+    if cfg.vllm.enforce_eager:
+        command.append("--enforce-eager")
+    if cfg.vllm.max_num_seqs:
+        command += ["--max-num-seqs", str(cfg.vllm.max_num_seqs)]
+    return command
+
+
+@contextlib.contextmanager
+def states_server(cfg: EngineFeaturesConfig, target: str, layer_ids: list[int], max_length: int,
+                  work: Path) -> Iterator[str]:
+    """The URL of a server that computes the target's states: `cfg.server_url`, checked, or one started here (its log
+    and the connector's files under `work`) and stopped when the block ends."""
+    if cfg.server_url:
+        with ServerProcess("vLLM server", None, cfg.server_url, work / "engine.log", settings="finetune.engine",
+                           startup_timeout_s=cfg.vllm.startup_timeout_s, request_timeout_s=30,
+                           stop_grace_s=cfg.vllm.stop_grace_s):
+            yield cfg.server_url.rstrip("/")
+        return
+    check_engine(cfg.vllm, "finetune.engine.")
+    port = free_port(HOST)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "TOKENIZERS_PARALLELISM": "false", **cfg.vllm.env}
+    if cfg.vllm.kvcache_space_gib is not None:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.vllm.kvcache_space_gib:g}")
+    if cfg.vllm.threads:
+        env.setdefault("OMP_NUM_THREADS", str(cfg.vllm.threads))
+    command = serve_command(cfg, target, layer_ids, max_length, work / "engine_states", port)
+    with ServerProcess("vLLM server", command, f"http://{HOST}:{port}", work / "engine.log",
+                       settings="finetune.engine.vllm", startup_timeout_s=cfg.vllm.startup_timeout_s,
+                       request_timeout_s=30, stop_grace_s=cfg.vllm.stop_grace_s, env=env) as server:
+        yield server.url
+
+
+class EngineStates:
+    """A batch's aux and final states from the server at `url` (see the module docstring)."""
+
+    def __init__(self, url: str, target: str, layer_ids: list[int], retries: int, timeout_s: float):
+        self.url, self.retries, self.timeout_s = url, retries, timeout_s
+        self.norm = FinalNorm.load(target)
+        self.aux_width = len(layer_ids) * self.norm.hidden_size
+        self.model = served_models(url, timeout_s, retries)[0]
+        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="engine-states")
+        self.seconds = 0.0  # wall time spent waiting for the server (the engine's share of a fine-tune)
+        self.rows = 0
+
+    def states_file(self, prompt: list[int]) -> Path:
+        answer = request_json(f"{self.url}/v1/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
+                                                             "temperature": 0.0}, self.timeout_s, self.retries)
+        path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise RegraftError(self.url, "the server returned no hidden_states_path",
+                               "start it with the extraction flags (stages/common/engines/vllm_states.py "
+                               "serve_command), or leave finetune.engine.server_url unset to let regraft start one")
+        return Path(path)
+
+    def batch_states(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, L, 3H] aux, [B, L, H] final) for right-padded rows, zeros past each row's tokens."""
+        started = time.perf_counter()
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        prompts = [ids[:length].tolist() for ids, length in zip(batch["input_ids"], lengths)]
+        files = list(self.pool.map(self.states_file, prompts))
+        aux = torch.zeros(*batch["input_ids"].shape, self.aux_width)
+        last = torch.zeros(*batch["input_ids"].shape, self.norm.hidden_size)
+        for row, (path, length) in enumerate(zip(files, lengths)):
+            states = read_engine_states(path, prompts[row])
+            aux[row, :length] = states[:, :-1].flatten(1)
+            last[row, :length] = self.norm(states[:, -1])
+        self.seconds += time.perf_counter() - started
+        self.rows += len(prompts)
+        return aux, last
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def read_engine_states(path: Path, prompt: list[int]) -> torch.Tensor:
+    """[T, layers, H] from the connector's file, once its writer has let go of the lock (the lock file exists
+    before the request's answer does); checked against the prompt it belongs to, and removed once read."""
+    from safetensors.torch import load_file
+
+    with contextlib.suppress(FileNotFoundError), open(f"{path}.lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # sleeps while the connector still writes
+    saved = load_file(path)
+    path.unlink()
+    Path(f"{path}.lock").unlink(missing_ok=True)
+    if saved["token_ids"].tolist() != prompt:
+        raise RegraftError(path, "the engine saved states for other tokens than the prompt sent",
+                           "report this with the vLLM version; rerun the stage")
+    return saved["hidden_states"].float()
+
+
+class EngineRows:
+    """Tokenized chats whose `take` adds the target's states from the server: the rows a fine-tune reads from
+    shards, computed when asked for (the same chats in the same order as the features stage's)."""
+
+    def __init__(self, data: dict[str, torch.Tensor], states: EngineStates):
+        self.data, self.states = data, states
+
+    def __len__(self) -> int:
+        return self.data["input_ids"].shape[0]
+
+    def take(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        batch = {name: tensor[indices] for name, tensor in self.data.items()}
+        batch["aux_hidden"], batch["last_hidden"] = self.states.batch_states(batch)
+        return batch
