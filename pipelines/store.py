@@ -75,6 +75,12 @@ def stage_metrics(metrics: dict[str, Any], out: Path) -> list[tuple[str, float, 
     return [row for row in final if row[0] not in logged] + series
 
 
+def computed_at(out: Path) -> str:
+    """Which computation of an output this is: its manifest's `finished_at` (a recomputation, after the cache was
+    cleared, is another one and is uploaded again)."""
+    return str((read_manifest(out) or {}).get("finished_at", ""))
+
+
 def manifest_seconds(out: Path) -> float | None:
     manifest = read_manifest(out) or {}
     if numeric(manifest.get("started_at")) and numeric(manifest.get("finished_at")):
@@ -202,15 +208,17 @@ class StoreWriter:
             tags[f"sha256.{name}"] = digest
             tags[f"path.{name}"] = str(out / name)
         rows = stage_metrics(outcome["metrics"], out)
+        tags["computed_at"] = computed_at(out)
+        # The run that computed an output does not wait for others, but it too checks under the lock: its own
+        # records may reach the store after a hit's (each run's outbox sends in its own time), and then the hit
+        # uploaded first.
+        holder = self.artifacts_holder(run_id, stage, key, out, wait_s=60.0 if outcome["hit"] else 0.0)
         if outcome["hit"]:
-            holder = self.artifacts_holder(run_id, stage, key, out)
             seconds, tags["stage_seconds_from"] = self.original_seconds(holder, out)
-            tags.update(artifacts_run=holder.info.run_id if holder else run_id,
-                        artifacts="uploaded" if holder is None else f"in run {holder.info.run_id} (cache hit)")
         else:
             seconds = outcome["seconds"]
-            self.log_files(run_id, out)
-            tags.update(artifacts_run=run_id, artifacts="uploaded")
+        tags.update(artifacts_run=holder.info.run_id if holder else run_id,
+                    artifacts="uploaded" if holder is None else f"in run {holder.info.run_id} (uploaded first)")
         if seconds is not None:
             rows.append(("stage_seconds", float(seconds), 0))
         self.log_metrics(run_id, rows, at)
@@ -234,10 +242,12 @@ class StoreWriter:
 
     # --- cache hits: one upload per output per store -------------------------------------------------------------
 
-    def holder(self, stage: str, key: str) -> Any:
-        """The child run that holds the artifacts of this stage output, if any run in this store uploaded them."""
+    def holder(self, stage: str, key: str, computation: str) -> Any:
+        """The child run that holds the artifacts of this computation of a stage output, if any run in this store
+        uploaded them."""
         runs = self.client.search_runs([self.experiment_id], f"tags.stage = '{stage}' and tags.cache_key = '{key}' "
-                                       "and tags.artifacts = 'uploaded'", max_results=1, order_by=["start_time ASC"])
+                                       f"and tags.computed_at = '{computation}' and tags.artifacts = 'uploaded'",
+                                       max_results=1, order_by=["start_time ASC"])
         return runs[0] if runs else None
 
     def others_pending(self, run_id: str, stage: str, key: str) -> bool:
@@ -258,12 +268,13 @@ class StoreWriter:
         deadline = time.monotonic() + wait_s
         while True:
             with FileLock(str(out.with_name(out.name + ".mlflow.lock"))):
-                holder = self.holder(stage, key)
+                holder = self.holder(stage, key, computed_at(out))
                 if holder is not None:
                     return holder
-                if time.monotonic() > deadline or not self.others_pending(run_id, stage, key):
+                if time.monotonic() >= deadline or not self.others_pending(run_id, stage, key):
                     self.log_files(run_id, out)
-                    self.set_tags(run_id, {"artifacts_run": run_id, "artifacts": "uploaded"})
+                    self.set_tags(run_id, {"artifacts_run": run_id, "artifacts": "uploaded",
+                                           "computed_at": computed_at(out)})
                     return None
             time.sleep(0.5)
 

@@ -16,8 +16,9 @@ One name per metric (docs/mlflow.md):
 Runs are named by the overrides that vary in their sweep (`lr=1e-3 init=remap`), a single run by its overrides
 (or `defaults`); the sweep's tags (`sweep`, `member`, each swept key) are on the parent and on every child.
 
-A cache hit uploads no artifacts: its tag `artifacts_run` names the child run that holds them (the first one of the
-stage's output in this store); its `stage_seconds` is the original run's, marked by the tag `stage_seconds_from`.
+A cache hit uploads no artifacts: its tag `artifacts_run` names the child run that holds them (the first upload of
+this computation of the stage's output in this store, whichever run made it); its `stage_seconds` is the original
+run's, marked by the tag `stage_seconds_from`.
 The sqlite store is created and migrated once, under a file lock beside it, so runs started together share it.
 """
 from __future__ import annotations
