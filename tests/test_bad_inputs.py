@@ -103,6 +103,8 @@ BEFORE_ANY_WORK = [
      "regenerate.vllm.python=/nowhere/python: no vLLM engine venv there"),
     ("vLLM features without the engine venv", ["features.backend=vllm", "features.vllm.python=/nowhere/python"], {},
      "features.vllm.python=/nowhere/python: no vLLM engine venv there"),
+    ("online features without the engine venv", ["features.mode=online", "finetune.engine.vllm.python=/nowhere/python"],
+     {}, "finetune.engine.vllm.python=/nowhere/python: no vLLM engine venv there"),
     ("an empty chat file", [], {"data__train": "empty.jsonl"}, "empty.jsonl: is empty (fix: point data.train="),
     ("a missing chat file", [], {"data__train": "nowhere.jsonl"}, "nowhere.jsonl: data.train does not exist"),
     ("a file that is not chats", [], {"data__train": "not_chats.jsonl"}, "not_chats.jsonl:1: not a chat line"),

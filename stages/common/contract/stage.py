@@ -38,12 +38,14 @@ class StageResult:
 
 ConfigCheck = Callable[[DictConfig, str], None]  # (config, its dotted place) -> None, or RegraftError
 CHECKS: dict[type, ConfigCheck] = {}
+SCHEMAS: dict[str, type] = {}  # stage -> its config's schema, for checks of a node's own config
 
 
 def register_schema(stage: str, schema: type, check: ConfigCheck | None = None) -> None:
     """Make `conf/STAGE/*.yaml` typed: their defaults list pulls `/schema/STAGE@_here_`. `check` holds the rules
     that tie fields together (per-field bounds are `setting`s), run by `check_config`."""
     ConfigStore.instance().store(group="schema", name=stage, node=schema)
+    SCHEMAS[stage] = schema
     if check is not None:
         CHECKS[schema] = check
 
