@@ -133,7 +133,7 @@ def measure_features(backend: str, world: Path, drafter: Path, data: Path, out: 
 
 def measure_probe(backend: str, world: Path, drafter: Path, args, out: Path) -> dict:
     cfg = compose_stage("probe", [f"target={world / 'target_b'}", f"drafter={drafter}", f"out={out}",
-                                  f"backend={backend}", f"prompts={world / 'prompts_b.jsonl'}",
+                                  f"backend={backend}", f"eval_sets=[{{name: b, path: '{world / 'prompts_b.jsonl'}'}}]",
                                   f"num_prompts={args.prompts}", f"max_new_tokens={args.max_new_tokens}",
                                   f"num_steps={args.num_steps}", f"vllm.threads={args.threads}"])
     start = time.perf_counter()

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipelines.summary import COUNTS, LABELS, fmt  # noqa: E402
+from pipelines.summary import story_rows  # noqa: E402
 
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S)
 
@@ -60,9 +60,7 @@ def run_commit(run: Path, summary: dict) -> str:
 
 
 def default_run_block(run: Path, summary: dict) -> str:
-    numbers = summary["numbers"]
-    rows = [(label, fmt(numbers[key], 0 if key in COUNTS else 3), key) for key, label in LABELS.items()
-            if key in numbers]
+    rows = story_rows(summary["numbers"])
     widths = [max(len(row[i]) for row in rows + [("measure", "value", "MLflow")]) for i in range(3)]
     lines = [f"{'measure':<{widths[0]}}   {'value':>{widths[1]}}   MLflow"]
     lines += [f"{label:<{widths[0]}}   {value:>{widths[1]}}   {key}" for label, value, key in rows]

@@ -100,12 +100,19 @@ def fingerprint(value: str) -> str | None:
 
 
 def outside_paths(config: DictConfig) -> dict[str, str]:
+    """Fingerprints of the files a node reads from outside the cache: its top-level paths, and those in a list of
+    entries (the probe's eval_sets)."""
     found = {}
     for key, value in OmegaConf.to_container(config, resolve=True).items():
         if key in WRITTEN_PATHS:
             continue
-        if isinstance(value, str) and not value.startswith("@") and "/" in value and (print_ := fingerprint(value)):
-            found[key] = print_
+        items = [(key, value)]
+        if isinstance(value, list):
+            items = [(f"{key}.{index}.{field}", item) for index, entry in enumerate(value) if isinstance(entry, dict)
+                     for field, item in entry.items()]
+        for name, item in items:
+            if isinstance(item, str) and not item.startswith("@") and "/" in item and (print_ := fingerprint(item)):
+                found[name] = print_
     return found
 
 

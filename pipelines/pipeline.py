@@ -116,6 +116,8 @@ def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> 
         results.update(run_rungs(evaluations, results))
         for name, finalist in zip(names, outcome.finalists):
             finalist.accept_len = results[name].metrics.get("accept_len")
+            finalist.per_set = {key.removeprefix("accept_len/"): value for key, value in results[name].metrics.items()
+                                if key.startswith("accept_len/")}
     console.print(race_table(outcome))
     summary = race_summary(outcome, cfg.race.budget_steps)
     console.print(f"race: {summary['decision']}", highlight=False, soft_wrap=True)

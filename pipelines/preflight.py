@@ -18,7 +18,7 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -33,7 +33,7 @@ from stages.common.drafter.config import check_drafter_fits_target, target_confi
 from stages.common.contract.errors import RegraftError, check_room, disk_full
 from stages.common.contract.stage import check_config
 
-GIVEN_INPUTS = (("target", "path"), ("source", "path"), ("data", "train"), ("data", "prompts"))
+GIVEN_INPUTS = (("target", "path"), ("source", "path"), ("data", "train"))
 
 
 def given(value: str | None) -> bool:
@@ -74,16 +74,20 @@ def check_tracking_reachable(cfg: DictConfig, timeout_s: float = 5.0) -> None:
                        "start `mlflow server` there, fix tracking.uri, or run with tracking.enabled=false")
 
 
+def given_inputs(cfg: DictConfig) -> list[tuple[str, str]]:
+    """(setting, path) of every input a user names: the models, the training chats, each eval set."""
+    named = [(f"{group}.{key}", cfg[group][key]) for group, key in GIVEN_INPUTS]
+    return named + [(f"data.eval_sets.{entry.name}", entry.path) for entry in cfg.data.eval_sets]
+
+
 def check_given_inputs(cfg: DictConfig) -> None:
-    for group, key in GIVEN_INPUTS:
-        value = cfg[group][key]
+    for key, value in given_inputs(cfg):
         if given(value) and not Path(value).exists():
-            raise RegraftError(value, f"{group}.{key} does not exist",
-                               f"point {group}.{key}= at it, or use the built-in example ({group}=toy)")
-    for group, key in (("data", "train"), ("data", "prompts")):
-        value = cfg[group][key]
-        if given(value):
-            check_chat_file(Path(value), f"{group}.{key}")
+            raise RegraftError(value, f"{key} does not exist",
+                               f"point {key}= at it, or use the built-in example ({key.split('.')[0]}=toy)")
+    for key, value in given_inputs(cfg):
+        if key.startswith("data.") and given(value):
+            check_chat_file(Path(value), key)
 
 
 def check_chat_file(path: Path, key: str) -> None:
@@ -156,13 +160,34 @@ class NoSecrets(BeforeRunFolder):
         refuse_secrets(config)
 
 
-def check_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launcher) -> None:
-    """Every check above, cheapest first; raises the first RegraftError."""
-    refuse_secrets(cfg)
-    check_config(cfg, RegraftConfig, "")
-    check_outputs_writable(cfg)
-    check_tracking_reachable(cfg)
-    check_given_inputs(cfg)
-    check_models(cfg)
+def checks_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launcher) -> list[Callable[[], None]]:
+    """Every check above, cheapest first, each raising a RegraftError."""
+    checks: list[Callable[[], None]] = [
+        lambda: refuse_secrets(cfg), lambda: check_config(cfg, RegraftConfig, ""), lambda: check_outputs_writable(cfg),
+        lambda: check_tracking_reachable(cfg), lambda: check_given_inputs(cfg), lambda: check_models(cfg)]
     for node in nodes:
-        launcher.check(node, OmegaConf.to_container(node.config, resolve=True, enum_to_str=True))
+        checks.append(lambda node=node: launcher.check(node, OmegaConf.to_container(node.config, resolve=True,
+                                                                                     enum_to_str=True)))
+    return checks
+
+
+def check_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launcher) -> None:
+    """Raises the first RegraftError of the checks above."""
+    for check in checks_before_any_work(cfg, nodes, launcher):
+        check()
+
+
+def problems_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launcher) -> list[str]:
+    """Every problem the checks above find, each once (pipeline.plan lists them all). A check that breaks for
+    another reason after a problem was found is that problem's knock-on, and is left out."""
+    found: list[str] = []
+    for check in checks_before_any_work(cfg, nodes, launcher):
+        try:
+            check()
+        except RegraftError as exc:
+            if str(exc) not in found:
+                found.append(str(exc))
+        except Exception:  # noqa: BLE001 (see above)
+            if not found:
+                raise
+    return found

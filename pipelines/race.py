@@ -20,7 +20,7 @@ nor reproducible from the config alone.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -109,6 +109,7 @@ class Finalist:
     val_loss: float
     sim_accept_len: float
     accept_len: float | None = None  # measured by its evaluate node, when pipeline.evaluate
+    per_set: dict[str, float] = field(default_factory=dict)  # its accept_len on each eval set, likewise
 
 
 @dataclass
@@ -203,9 +204,22 @@ def decision(outcome: RaceOutcome, budget: int) -> str:
         if winner.accept_len is not None and rival.accept_len is not None:
             text += (f", accept_len {winner.accept_len:.3f} vs {rival.accept_len:.3f} "
                      f"({winner.accept_len - rival.accept_len:+.3f})")
+            text += where_the_rival_wins(winner, rival)
         else:
             text += f", sim accept_len {winner.sim_accept_len:.3f} vs {rival.sim_accept_len:.3f}"
     return text + f"; the race spent {outcome.compute_share:.0%} of running all candidates to the end"
+
+
+def where_the_rival_wins(winner: Finalist, rival: Finalist) -> str:
+    """The eval sets on which the losing family accepts more, if any (a transfer can win on chat, lose on code)."""
+    shared = [name for name in winner.per_set if name in rival.per_set]
+    if len(shared) < 2:
+        return ""
+    better = [name for name in shared if rival.per_set[name] > winner.per_set[name]]
+    if not better:
+        return f"; it wins on every eval set ({', '.join(shared)})"
+    return "; " + rival.candidate.family + " wins on " + ", ".join(
+        f"{name} ({rival.per_set[name]:.3f} vs {winner.per_set[name]:.3f})" for name in better)
 
 
 def race_table(outcome: RaceOutcome):
@@ -225,7 +239,7 @@ def race_table(outcome: RaceOutcome):
 def race_summary(outcome: RaceOutcome, budget: int) -> dict:
     return {"decision": decision(outcome, budget), "winner": outcome.winner.candidate.label,
             "finalists": [{"candidate": f.candidate.label, "family": f.candidate.family, "val_loss": f.val_loss,
-                           "sim_accept_len": f.sim_accept_len, "accept_len": f.accept_len}
+                           "sim_accept_len": f.sim_accept_len, "accept_len": f.accept_len, "per_set": f.per_set}
                           for f in outcome.finalists],
             "compute_share": outcome.compute_share, "steps_spent": outcome.steps_spent,
             "steps_all_to_the_end": outcome.steps_all, "budget_steps": budget,

@@ -39,6 +39,7 @@ import pipelines.schema  # noqa: F401  (registers the root schema and, through i
 from pipelines.config_errors import check_group_choices, composition_error, is_composition_failure
 from pipelines.jobs import StageFailed
 from pipelines.pipeline import run_pipeline
+from pipelines.plan import plan_pipeline
 from pipelines.runner import Interrupts
 from pipelines.summary import stage_table, story_caption, story_table
 from stages.common.contract.errors import RegraftError, disk_full, said_disk_full
@@ -154,9 +155,17 @@ def command(cfg: DictConfig) -> None:
     run_dir = Path(cfg.paths.run)
     try:
         check_group_choices(HydraConfig.get().runtime.choices, GlobalHydra.instance().config_loader())
-        done = run_pipeline(cfg, run_dir, list(HydraConfig.get().overrides.task), console)
+        if cfg.pipeline.plan:
+            problems = plan_pipeline(cfg, run_dir, console)["problems"]
+        else:
+            done = run_pipeline(cfg, run_dir, list(HydraConfig.get().overrides.task), console)
     except BaseException as exc:  # noqa: BLE001 (one line and an exit code, whatever ended it)
         report_and_exit(exc, console, run_dir)
+    if cfg.pipeline.plan:
+        if problems:
+            say_error(console, f"{len(problems)} problem(s) above: the run would stop at the first")
+            sys.exit(1)
+        return
     console.print(stage_table(done.results))
     console.print(story_table(done.summary["numbers"], caption=story_caption(done.summary)))
     if done.mlflow_ui:

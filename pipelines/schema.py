@@ -11,7 +11,9 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import CHECKS, register_schema, setting
+from stages.common.data.chat_prompts import EvalSet
 from stages.common.drafter.config import check_family
 from stages.compare import CompareConfig
 from stages.diagnose import DiagnoseConfig
@@ -69,7 +71,8 @@ CHECKS[SourceConfig] = check_source_family
 class DataConfig:
     train: str = MISSING  # chat JSONL for vocab_map, features and finetune (pipeline.regenerate: the prompts the
     # new target answers first)
-    prompts: str = "builtin"  # chat JSONL whose user turns the probe asks (phase 0 and 1), or builtin
+    # {name, path}: chat JSONL whose user turns the probe asks (phase 0 and 1), or builtin; each measured on its own
+    eval_sets: list[EvalSet] = field(default_factory=lambda: [EvalSet("builtin", "builtin")])
 
 
 class LauncherName(str, Enum):
@@ -121,6 +124,42 @@ class PipelineSwitches:
     diagnose: bool = True  # how far the target moved for the drafter (needs source.target for the drift numbers)
     race: bool = False  # race.inits x race.lrs under one budget instead of one fine-tune (pipelines/race.py)
     evaluate: bool = True  # phase 1: the fine-tuned drafters, measured as the probe measures
+    plan: bool = False  # check everything, print the DAG and its cost, write plan.json; run nothing (pipelines/plan.py)
+
+
+def default_devices() -> dict[str, dict[str, Any]]:
+    """{device: {tflops, utilisation}}: peak dense TFLOP/s of the training dtype (None: measured here, float32) and
+    the share of it the stages reach. NVIDIA's datasheets: H100 and H200 SXM 989 dense bf16, A100 312; their 40%
+    utilisation is an assumption, set it to what your runs reach."""
+    return {"cpu": {"tflops": None, "utilisation": 1.0}, "h200": {"tflops": 989.0, "utilisation": 0.4},
+            "h100": {"tflops": 989.0, "utilisation": 0.4}, "a100": {"tflops": 312.0, "utilisation": 0.4}}
+
+
+@dataclass
+class PlanConfig:
+    """pipeline.plan: what the estimates of pipelines/estimates.py assume."""
+
+    device: str = "cpu"  # a key of devices: the GPU-hours are FLOPs over its rate
+    devices: dict[str, Any] = field(default_factory=default_devices)  # add one: '+plan.devices.b200={tflops: 2250,
+    # utilisation: 0.4}'
+    sample_rows: int = setting(2000, at_least=1)  # rows of a chat file tokenized to count its tokens; the rest scaled
+
+
+def check_plan(cfg, where: str) -> None:
+    if cfg.device not in cfg.devices:
+        raise RegraftError(f"{where}.device={cfg.device}", f"is not one of plan.devices ({', '.join(cfg.devices)})",
+                           f"set {where}.device= to one of them, or add it: '+{where}.devices.{cfg.device}="
+                           "{tflops: 2250, utilisation: 0.4}'")
+    device = cfg.devices[cfg.device]
+    tflops, utilisation = device.get("tflops"), device.get("utilisation", 1.0)
+    if (tflops is not None and not (isinstance(tflops, (int, float)) and tflops > 0)) or \
+            not (isinstance(utilisation, (int, float)) and 0 < utilisation <= 1):
+        raise RegraftError(f"{where}.devices.{cfg.device}={dict(device)}",
+                           "needs tflops > 0 (or null: measured here) and 0 < utilisation <= 1",
+                           f"set {where}.devices.{cfg.device}.tflops= and .utilisation=")
+
+
+CHECKS[PlanConfig] = check_plan
 
 
 @dataclass
@@ -181,6 +220,7 @@ class RegraftConfig:
     tracking: TrackingConfig = MISSING
     pipeline: PipelineSwitches = field(default_factory=PipelineSwitches)
     race: RaceConfig = field(default_factory=RaceConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     paths: Paths = field(default_factory=Paths)
 

@@ -85,6 +85,7 @@ def headline_numbers(results: dict[str, dict]) -> dict[str, Any]:
                      is not None), None)
 
     numbers = {name: metric(nodes, key) for name, nodes, key, _ in HEADLINES}
+    numbers.update(per_eval_set(results))
     phase1 = numbers["phase1/accept_len"]
     for name, other, _ in GAINS:
         if phase1 is not None and numbers[other] is not None:
@@ -93,6 +94,19 @@ def headline_numbers(results: dict[str, dict]) -> dict[str, Any]:
         numbers = {key: value for key, value in numbers.items() if not key.startswith("scratch/")
                    and key != "gain/over_scratch"}
     return {key: value for key, value in numbers.items() if value is not None}
+
+
+def per_eval_set(results: dict[str, dict]) -> dict[str, float]:
+    """Each accept_len headline per eval set, `phase1/accept_len/<set>`, from its node's `accept_len/<set>`."""
+    numbers: dict[str, float] = {}
+    for name, nodes, key, _ in HEADLINES:
+        if key != "accept_len":
+            continue
+        node = next((node for node in nodes if node in results), None)
+        for figure, value in (results[node].get("metrics", {}) if node else {}).items():
+            if figure.startswith("accept_len/") and value is not None:
+                numbers[f"{name}/{figure.removeprefix('accept_len/')}"] = value
+    return numbers
 
 
 def stage_table(results: dict[str, NodeResult]) -> FittedTable:
@@ -148,10 +162,20 @@ LABELS = {**{name: label for name, _, _, label in HEADLINES}, **{name: label for
 def story_table(numbers: dict[str, Any], title: str = "regraft: phase 0 vs phase 1", caption: str | None = None
                 ) -> FittedTable:
     """The story, each figure beside its name in the parent MLflow run."""
-    rows = [(label, fmt(numbers[key], 0 if key in COUNTS else 3), key)
-            for key, label in LABELS.items() if key in numbers]
-    return fitted_table(title, ("measure", "value", "MLflow"), rows, right=("value",), caption=caption,
+    return fitted_table(title, ("measure", "value", "MLflow"), story_rows(numbers), right=("value",), caption=caption,
                         dim_last=True)
+
+
+def story_rows(numbers: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(what it means, value, MLflow name) of every headline there is, each figure per eval set under its
+    aggregate."""
+    rows = []
+    for key, label in LABELS.items():
+        if key in numbers:
+            rows.append((label, fmt(numbers[key], 0 if key in COUNTS else 3), key))
+        rows += [(f"  on {figure.removeprefix(key + '/')}", fmt(value, 3), figure) for figure, value in numbers.items()
+                 if figure.startswith(key + "/")]
+    return rows
 
 
 def story_caption(summary: dict) -> str | None:
@@ -249,6 +273,8 @@ def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, o
             summary["numbers"][f"race/loss_{finalist['family']}"] = finalist["val_loss"]
             if finalist["accept_len"] is not None:
                 summary["numbers"][f"race/len_{finalist['family']}"] = finalist["accept_len"]
+            for name, value in finalist.get("per_set", {}).items():
+                summary["numbers"][f"race/len_{finalist['family']}/{name}"] = value
     if failed:  # a sweep member whose stage failed: `<node>: <its line>`
         summary["failed"] = failed
     with naming_full_disk(run_dir / "summary.json"):

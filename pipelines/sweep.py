@@ -62,6 +62,9 @@ def plan_member(cfg: DictConfig) -> Member:
     overrides = list(HydraConfig.get().overrides.task)
     num = int(HydraConfig.get().job.num)
     cfg = cfg.copy()
+    if cfg.pipeline.plan:
+        raise RegraftError("pipeline.plan=true", "plans one run, not a sweep",
+                           "drop -m and plan one setting of the sweep (its shared stages are planned with it)")
     OmegaConf.resolve(cfg)  # paths.run is this member's folder: ${hydra:runtime.output_dir}
     nodes = build_nodes(cfg)
     check_before_any_work(cfg, nodes, make_launcher(cfg.launcher, Path(cfg.paths.run) / "jobs"))

@@ -3,7 +3,10 @@ settings: `probe` (phase 0, the source drafter as it is), `evaluate` (phase 1, t
 `baseline_evaluate` (the from-scratch one), so the phases are one measurement of different drafters.
 
 In: `target` (an HF model folder), `drafter` (a checkpoint in either layout, or a finetune output holding
-`drafter/`), `prompts` (`builtin` or a JSONL of chats whose user turns are asked one after another).
+`drafter/`), `eval_sets` (each a name and `builtin` or a JSONL of chats whose user turns are asked one after
+another): each set is measured (`num_prompts` conversations of it) and reported on its own, `accept_len/<set>`, beside the
+aggregate over all of them (`accept_len`: their emitted tokens over their target forwards, so each set weighs by
+its completed tokens).
 Backends:
 - `hf` runs greedy speculative decoding here and checks every answer against plain greedy decoding (a mismatch
   stops the stage with the conversation, turn and token).
@@ -22,7 +25,8 @@ Two accept lengths (one set of prompts, a drafter that never hits gives 1.0 in b
 - `accept_len_vllm` (vllm only): `1 + accepted / drafts`, vLLM's, which leaves the prefill out (higher on short
   answers).
 
-    python -m stages.probe target=DIR drafter=DIR out=DIR [backend=vllm|sglang] [num_steps=3] [prompts=chats.jsonl]
+    python -m stages.probe target=DIR drafter=DIR out=DIR [backend=vllm|sglang] [num_steps=3] \
+        ['eval_sets=[{name: chat, path: chats.jsonl}, {name: code, path: code.jsonl}]']
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from tqdm import tqdm
 
 from stages.common.contract.artifacts import StagedOutput, staged_output
 from stages.common.data.chat import load_tokenizer, read_conversations
-from stages.common.data.chat_prompts import prompt_ids, stop_ids
+from stages.common.data.chat_prompts import EvalSet, check_eval_sets, prompt_ids, stop_ids
 from stages.common.contract.stage import StageResult, register_schema, setting, stage_main
 from stages.common.drafter.checkpoint import DrafterCheckpoint
 from stages.common.drafter.config import check_drafter_fits_target, parse_config, target_config
@@ -76,8 +80,9 @@ class ProbeConfig:
     drafter: str = MISSING  # drafter checkpoint folder, or a finetune output folder holding drafter/
     out: str = MISSING
     backend: Backend = Backend.hf  # hf: local greedy speculative decoding, checked lossless | sglang: a server
-    prompts: str = "builtin"  # builtin | a JSONL of {"messages": [...]} (user turns are the prompts)
-    num_prompts: int = setting(8, at_least=1)  # conversations, picked by a seeded shuffle
+    # {name, path}: builtin | a JSONL of {"messages": [...]} (user turns are the prompts), each measured on its own
+    eval_sets: list[EvalSet] = field(default_factory=lambda: [EvalSet("builtin", "builtin")])
+    num_prompts: int = setting(8, at_least=1)  # conversations per set, picked by a seeded shuffle
     max_new_tokens: int = setting(64, at_least=1)
     seed: int = 0
     num_steps: int = setting(3, at_least=1)  # draft tokens per verify step (chain drafting)
@@ -93,6 +98,7 @@ class ProbeConfig:
 
 def check_probe(cfg: DictConfig, where: str) -> None:
     prefix = f"{where}." if where else ""
+    check_eval_sets(cfg.eval_sets, f"{prefix}eval_sets")
     if Backend(cfg.backend) is Backend.vllm:
         check_engine(cfg.vllm, prefix)
     if Backend(cfg.backend) is not Backend.sglang and cfg.topk != 1:
@@ -122,9 +128,32 @@ def load_prompts(source: str, count: int, seed: int) -> list[list[str]]:
                          for messages in read_conversations(Path(source))]
         conversations = [turns for turns in conversations if turns]
     if not conversations:
-        raise RegraftError(source, "no user turns to ask", "give prompts= chats with at least one user message")
+        raise RegraftError(source, "no user turns to ask", "give eval_sets chats with at least one user message")
     random.Random(seed).shuffle(conversations)
     return conversations[:count]
+
+
+def load_eval_sets(eval_sets: list, count: int, seed: int) -> tuple[list[list[str]], list[str]]:
+    """Every set's conversations, one after another, and the set each one is from."""
+    conversations, sets = [], []
+    for entry in eval_sets:
+        picked = load_prompts(str(entry.path), count, seed)
+        conversations += picked
+        sets += [entry.name] * len(picked)
+    return conversations, sets
+
+
+def per_set(rows: list[dict], sets: list[str]) -> dict[str, float]:
+    """accept_len, completed tokens and turns of each set (`accept_len/<set>`, ...); rows gain their `set`."""
+    for row in rows:
+        row["set"] = sets[row["conversation"]]
+    metrics: dict[str, float] = {}
+    for name in dict.fromkeys(sets):
+        mine = [row for row in rows if row["set"] == name]
+        metrics.update({f"accept_len/{name}": accept_length(mine),
+                        f"completion_tokens/{name}": sum(row["completion_tokens"] for row in mine),
+                        f"turns/{name}": len(mine)})
+    return metrics
 
 
 def chat_renderer(tokenizer):
@@ -330,7 +359,7 @@ def run(cfg: DictConfig) -> StageResult:
     _, parsed = parse_config(drafter_config, drafter_path / "config.json")  # every backend: refused before an engine
     # starts
     tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
-    conversations = load_prompts(cfg.prompts, cfg.num_prompts, cfg.seed)
+    conversations, sets = load_eval_sets(cfg.eval_sets, cfg.num_prompts, cfg.seed)
     # the vllm backend serves a converted copy in vLLM's convention, so only SGLang can read the ids wrong
     warning = aux_convention_warning(drafter_config, "sglang") if backend is Backend.sglang else None
     if warning:
@@ -345,13 +374,16 @@ def run(cfg: DictConfig) -> StageResult:
             rows, extra = measure_vllm(cfg, conversations, tokenizer, drafter_path, staged)
         else:
             rows = measure_sglang(cfg, conversations, tokenizer, drafter_path, staged.path / "server.log")
-        metrics = summarise(rows, extra, cfg.num_steps, backend)
+        metrics = {**summarise(rows, extra, cfg.num_steps, backend), **per_set(rows, sets)}
         write_rows(rows, staged.path / "per_prompt.csv")
         if backend is not Backend.sglang:
             plot_acceptance(metrics, cfg.num_steps, staged.path / "acceptance.png")
         headline = f"{parsed.describe()}: accept_len {metrics['accept_len']:.2f} at {cfg.num_steps} draft steps"
         if backend is Backend.vllm:
             headline += f" (vLLM's 1+accepted/drafts: {metrics['accept_len_vllm']:.2f})"
+        if len(cfg.eval_sets) > 1:
+            headline += " (" + ", ".join(f"{entry.name} {metrics[f'accept_len/{entry.name}']:.2f}"
+                                         for entry in cfg.eval_sets) + ")"
         headline += f", {metrics['tok_s']:.0f} tok/s"
         if backend is not Backend.sglang:
             against = " vs vLLM plain" + (" and hf" if cfg.check_hf else "") if backend is Backend.vllm else ""

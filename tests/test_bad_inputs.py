@@ -53,7 +53,7 @@ def regraft(outputs: Path, inputs: dict[str, Path], *overrides: str, **replace: 
     given = {"target.path": inputs["target"], "source.path": inputs["drafter"], "data.train": inputs["chats"],
              **{key.replace("__", "."): value for key, value in replace.items()}}
     command = [sys.executable, "-m", "pipelines.regraft", f"paths.outputs={outputs}", "source.build=null",
-               "data.prompts=builtin", "vocab_map.draft_vocab_size=64", "probe.num_prompts=1",
+               "data.eval_sets=[{name: builtin, path: builtin}]", "vocab_map.draft_vocab_size=64", "probe.num_prompts=1",
                "probe.max_new_tokens=8", "finetune.max_steps=2", "finetune.micro_batch_size=4",
                "finetune.max_length=48", "finetune.ttt_steps=2", "features.max_length=48",
                *(f"{key}={value}" for key, value in given.items()), *overrides]
@@ -168,7 +168,7 @@ def test_a_crash_that_is_no_input_regraft_checks_ends_as_one_line_inline(inputs,
 
     monkeypatch.setattr(stages.compare, "run", crash)
     overrides = [f"paths.outputs={tmp_path}", "launcher=inline", "source.build=null", f"target.path={inputs['target']}",
-                 f"source.path={inputs['drafter']}", f"data.train={inputs['chats']}", "data.prompts=builtin",
+                 f"source.path={inputs['drafter']}", f"data.train={inputs['chats']}", "data.eval_sets=[{name: builtin, path: builtin}]",
                  "vocab_map.draft_vocab_size=64", "pipeline.probe=false", "pipeline.offline=false"]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)

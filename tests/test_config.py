@@ -57,9 +57,10 @@ def test_the_real_case_example_composes():
 
 def test_what_one_stage_takes_from_another_follows_it():
     cfg = compose_root(["finetune.loss_mask=specforge", "finetune.ttt_steps=4", "finetune.max_length=64",
-                        "data.prompts=/p.jsonl"])
+                        "data.eval_sets=[{name: p, path: /p.jsonl}]"])
     assert (cfg.diagnose.loss_mask.value, cfg.diagnose.ttt_steps) == ("specforge", 4)
-    assert cfg.features.max_length == 64 and cfg.probe.prompts == "/p.jsonl"
+    assert cfg.features.max_length == 64
+    assert [dict(entry) for entry in cfg.probe.eval_sets] == [{"name": "p", "path": "/p.jsonl"}]  # replaced, not merged
     real = compose_root(["experiment=kimi_k25"])  # scale=null: the stage defaults, not the toy world's sizes
     assert (real.finetune.lr, real.finetune.log_every, real.features.max_length) == (1e-4, 10, 2048)
 

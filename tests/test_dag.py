@@ -12,6 +12,9 @@ from pipelines.dag import Node, build_nodes, check_graph, resolve
 from stages.common.contract.stage import CONF_DIR
 from stages.common.contract.errors import RegraftError
 
+WORLD_SETS = [{"name": "prose", "path": "@world/prompts_b_prose.jsonl"},
+              {"name": "code", "path": "@world/prompts_b_code.jsonl"}]  # conf/data/toy.yaml
+
 
 def nodes_for(*overrides: str) -> list[Node]:
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -28,7 +31,7 @@ def test_the_default_dag_wires_every_stage_to_its_inputs():
                            "diagnose", "features", "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"]
     assert nodes["finetune"].upstream == ["features", "remap", "vocab_map", "world"]
     assert nodes["baseline_finetune"].config.init == "scratch" and nodes["baseline_finetune"].config.drafter is None
-    assert nodes["evaluate"].config.drafter == "@finetune" and nodes["evaluate"].config.prompts == "@world/prompts_b.jsonl"
+    assert nodes["evaluate"].config.drafter == "@finetune" and nodes["evaluate"].config.eval_sets == WORLD_SETS
     assert {nodes[name].stage for name in ("probe", "evaluate", "baseline_evaluate")} == {"probe"}
     resolved = resolve(nodes["remap"].config, {"source_drafter": Path("/s"), "world": Path("/w"),
                                                "vocab_map": Path("/m")})
@@ -81,7 +84,7 @@ def test_regenerate_is_off_by_default_and_when_on_feeds_everything_that_trains()
     assert nodes["vocab_map"].config.data == nodes["features"].config.data == "@regenerate/regenerated.jsonl"
     online = {node.name: node for node in nodes_for("pipeline.regenerate=true", "pipeline.offline=false")}
     assert online["finetune"].config.data == online["baseline_finetune"].config.data == "@regenerate/regenerated.jsonl"
-    assert nodes["probe"].config.prompts == "@world/prompts_b.jsonl"  # the held-out prompts stay as they are
+    assert nodes["probe"].config.eval_sets == WORLD_SETS  # the held-out prompts stay as they are
 
 
 def test_online_features_have_no_features_node_and_fine_tunes_that_ask_a_server():
@@ -127,7 +130,7 @@ def test_real_inputs_leave_the_world_and_the_built_in_drafter_out(tmp_path):
         (tmp_path / name).mkdir()
     (tmp_path / "chats.jsonl").write_text("")
     nodes = nodes_for(f"target.path={tmp_path / 'target'}", f"source.path={tmp_path / 'drafter'}",
-                      f"data.train={tmp_path / 'chats.jsonl'}", "data.prompts=builtin", "source.target=null")
+                      f"data.train={tmp_path / 'chats.jsonl'}", "data.eval_sets=[{name: builtin, path: builtin}]", "source.target=null")
     assert not {"world", "source_map", "source_drafter"} & {node.name for node in nodes}
     before = keys_for(nodes)
     (tmp_path / "chats.jsonl").write_text('{"messages": []}\n')  # outside inputs are fingerprinted

@@ -94,6 +94,10 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
     children = child_runs(client, parent.info.run_id)
     assert set(children) == set(NODES)
     assert children["evaluate"].data.metrics["accept_len"] == numbers["phase1/accept_len"]
+    for phase, node in (("phase0", "probe"), ("phase1", "evaluate"), ("scratch", "baseline_evaluate")):
+        for name in ("prose", "code"):  # the world's two eval sets, each beside the aggregate, in both places
+            assert numbers[f"{phase}/accept_len/{name}"] == children[node].data.metrics[f"accept_len/{name}"]
+            assert parent.data.metrics[f"{phase}/accept_len/{name}"] == numbers[f"{phase}/accept_len/{name}"]
     finetune = children["finetune"]
     assert finetune.data.params["lr"] == "0.003" and finetune.data.params["init"] == "remap"
     assert finetune.data.params["deepspeed.zero_stage"] == "0"

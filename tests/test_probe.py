@@ -35,7 +35,8 @@ def misaligned_drafter(scratch_run, tmp_path_factory) -> Path:
 
 
 def probe_cfg(target: Path, drafter: Path, out: Path, prompts: Path, *extra: str):
-    return compose_stage("probe", [f"target={target}", f"drafter={drafter}", f"out={out}", f"prompts={prompts}",
+    return compose_stage("probe", [f"target={target}", f"drafter={drafter}", f"out={out}",
+                                   f"eval_sets=[{{name: chats, path: '{prompts}'}}]",
                                    "max_new_tokens=24", *extra])
 
 
@@ -64,6 +65,34 @@ def test_a_finetune_output_is_probed_as_its_drafter(trained_target, scratch_run,
     phase1 = probe.run(probe_cfg(trained_target, scratch_run[0], tmp_path / "e", prompts))
     assert phase1.metrics["accept_len"] == phase0.metrics["accept_len"]
     assert json.loads((tmp_path / "e" / "manifest.json").read_text())["stage"] == "probe"
+
+
+def test_each_eval_set_is_measured_on_its_own_beside_the_completed_token_weighted_aggregate(
+        trained_target, scratch_run, prompts, tmp_path):
+    short = write_chats(tmp_path / "short.jsonl", [[("user", "alpha")], [("user", "lima")]])
+    cfg = compose_stage("probe", [f"target={trained_target}", f"drafter={scratch_run[0]}", f"out={tmp_path / 'o'}",
+                                  f"eval_sets=[{{name: chats, path: '{prompts}'}}, {{name: short, path: '{short}'}}]",
+                                  "max_new_tokens=24"])
+    result = probe.run(cfg)
+    metrics, rows = result.metrics, list(csv.DictReader((tmp_path / "o" / "per_prompt.csv").open()))
+    assert [metrics["turns/chats"], metrics["turns/short"], metrics["turns"]] == [5, 2, 7]
+    for name in ("chats", "short"):
+        mine = [row for row in rows if row["set"] == name]
+        assert metrics[f"accept_len/{name}"] == pytest.approx(
+            sum(int(r["completion_tokens"]) for r in mine) / sum(int(r["verify_steps"]) for r in mine))
+    tokens = {name: metrics[f"completion_tokens/{name}"] for name in ("chats", "short")}
+    steps = {name: tokens[name] / metrics[f"accept_len/{name}"] for name in tokens}
+    assert metrics["accept_len"] == pytest.approx(sum(tokens.values()) / sum(steps.values()))
+    alone = probe.run(probe_cfg(trained_target, scratch_run[0], tmp_path / "alone", prompts))
+    assert alone.metrics["accept_len"] == metrics["accept_len/chats"]  # a set measures the same alone or beside others
+    assert f"(chats {metrics['accept_len/chats']:.2f}, short {metrics['accept_len/short']:.2f})" in result.headline
+
+
+def test_eval_sets_need_names_of_their_own(trained_target, scratch_run, prompts, tmp_path):
+    twice = f"eval_sets=[{{name: a, path: '{prompts}'}}, {{name: a, path: '{prompts}'}}]"
+    with pytest.raises(RegraftError, match="names a more than once"):
+        probe.run(compose_stage("probe", [f"target={trained_target}", f"drafter={scratch_run[0]}",
+                                          f"out={tmp_path / 'o'}", twice]))
 
 
 class ScriptedDrafts(SpeculativeDecoder):

@@ -38,7 +38,8 @@ def prompts(tmp_path_factory) -> Path:
 
 
 def probe_cfg(target: Path, drafter: Path, out: Path, prompts: Path, *extra: str):
-    return compose_stage("probe", [f"target={target}", f"drafter={drafter}", f"out={out}", f"prompts={prompts}",
+    return compose_stage("probe", [f"target={target}", f"drafter={drafter}", f"out={out}",
+                                   f"eval_sets=[{{name: chats, path: '{prompts}'}}]",
                                    "max_new_tokens=24", f"num_steps={STEPS}", *extra])
 
 

@@ -93,6 +93,33 @@ def test_race_picks_the_full_budget_winner_in_the_default_world_for_under_half_t
     assert all(finalist["accept_len"] >= 1.0 for finalist in race["finalists"])
 
 
+def test_the_race_reports_its_finalists_per_eval_set_and_where_the_loser_wins(default_world_race):
+    _, summary, _ = default_world_race
+    finalists = summary["race"]["finalists"]
+    assert all(set(finalist["per_set"]) == {"prose", "code"} for finalist in finalists)
+    for finalist in finalists:
+        for name, value in finalist["per_set"].items():
+            assert summary["numbers"][f"race/len_{finalist['family']}/{name}"] == value
+    winner, rival = finalists
+    losing_sets = [name for name in winner["per_set"] if rival["per_set"][name] > winner["per_set"][name]]
+    said = summary["race"]["decision"]
+    if losing_sets:
+        assert f"; {rival['family']} wins on {losing_sets[0]} (" in said, said
+    else:
+        assert "it wins on every eval set (prose, code)" in said, said
+
+
+def test_the_decision_names_each_set_the_losing_family_wins():
+    from pipelines.race import Candidate, Finalist, where_the_rival_wins
+
+    winner = Finalist(Candidate("remap", 1e-3), None, 1.0, 1.5, 1.8, {"chat": 2.0, "code": 1.4})
+    rival = Finalist(Candidate("scratch", 1e-3), None, 1.1, 1.4, 1.6, {"chat": 1.5, "code": 1.7})
+    assert where_the_rival_wins(winner, rival) == "; scratch wins on code (1.700 vs 1.400)"
+    assert where_the_rival_wins(rival, winner) == "; transfer wins on chat (2.000 vs 1.500)"
+    assert where_the_rival_wins(winner, Finalist(Candidate("scratch", 1e-3), None, 1.1, 1.4, 1.6,
+                                                 {"chat": 1.0, "code": 1.0})) == "; it wins on every eval set (chat, code)"
+
+
 @pytest.mark.slow
 def test_race_picks_the_full_budget_winner_in_the_drifted_world(tmp_path):
     summary, ranking = run_race_and_reference(tmp_path, "world.rotate_b=1")

@@ -341,6 +341,18 @@ def test_tables_fit_80_columns(tmp_path, capsys):
     lines = console.export_text().splitlines()
     assert all(len(line) <= 80 for line in lines) and sum("accept_len 1.80" in line for line in lines) == 3
 
+    from pipelines.summary import story_table
+
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console.print(story_table({"phase0/accept_len": 1.3, "phase0/accept_len/prose": 1.25,
+                               "phase0/accept_len/code": 1.4, "phase1/accept_len": 1.8}))
+    lines = console.export_text().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    rows = [line.split() for line in lines if "accept_len" in line]
+    assert [row[-1] for row in rows] == ["phase0/accept_len", "phase0/accept_len/prose", "phase0/accept_len/code",
+                                         "phase1/accept_len"]  # each set under its aggregate
+    assert rows[1][:3] == ["on", "prose", "1.250"]
+
     sweep = tmp_path / "sweep"
     fixed = [f"paths.outputs={tmp_path}", "debug=tiny", *(f"world.knob{k}=1" for k in range(10))]
     for member, (lr, init) in enumerate([("0.001", "remap"), ("0.001", "scratch")]):

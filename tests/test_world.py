@@ -19,14 +19,15 @@ from stages.common.drafter.vocab import VocabMap, build_vocab_map, compare_vocab
 from stages.vocab_map import count_assistant_tokens
 from stages.world.toy import generate_answers
 
-FILES = ["tokenizer", "data_a.jsonl", "target_a", "target_b", "data_b.jsonl", "prompts_b.jsonl", "manifest.json"]
+FILES = ["tokenizer", "data_a.jsonl", "target_a", "target_b", "data_b.jsonl", "prompts_b.jsonl", "prompts_b_prose.jsonl",
+         "prompts_b_code.jsonl", "manifest.json"]
 DRAFT_VOCAB = 128  # the tiny source drafter's (conf/debug/tiny.yaml)
 # world=tiny's digest (manifest "digest": its weights and data, stages/world/__init__.py::digest), the same on every
 # x86 CPU (tests/test_determinism.py). It changes with the world's code or config, the corpus (this Python's stdlib
 # docstrings) and the versions of torch/MKL, transformers and tokenizers. When it changes on purpose, paste the new
 # one from `python -c "from stages import world; from stages.common.contract.stage import compose_stage;
 # print(world.run(compose_stage('world', ['out=/tmp/tiny'], option='tiny')).out)"` (then /tmp/tiny/manifest.json).
-TINY_WORLD_DIGEST = "3b953269b66acbe1a7e32d3b2247331194c4d878bccceb19d363d68077923c50"
+TINY_WORLD_DIGEST = "916566fb91ce24e55d2bd054d9a7b4da5dad1a0f2bbc8532efc829c5809e99af"
 
 
 def build(out: Path, *extra: str):
@@ -125,6 +126,19 @@ def test_probe_prompts_are_held_out_user_turns(built, cfg):
     trained_prompts = {chat[0]["content"] for chat in rows(built / "data_b.jsonl")}
     trained_prompts |= {chat[0]["content"] for chat in rows(built / "data_a.jsonl")}
     assert not trained_prompts & {m["content"] for chat in probes for m in chat}
+
+
+def test_the_two_eval_sets_are_held_out_and_differ_in_kind(built, cfg):
+    from stages.world import CODE_MARKS
+
+    held_out = {m["content"] for path in ("data_a.jsonl", "data_b.jsonl") for chat in rows(built / path) for m in chat}
+    sets = {name: rows(built / f"prompts_b_{name}.jsonl") for name in ("prose", "code")}
+    assert len(sets["prose"]) == cfg["probe_prompts"] and 1 <= len(sets["code"]) <= cfg["probe_prompts"]
+    questions = {name: {m["content"] for chat in chats for m in chat} for name, chats in sets.items()}
+    assert not questions["prose"] & questions["code"] and not (questions["prose"] | questions["code"]) & held_out
+    manifest = read_manifest(built)["metrics"]
+    assert (manifest["eval_set_prose"], manifest["eval_set_code"]) == (len(sets["prose"]), len(sets["code"]))
+    assert CODE_MARKS and all(chat[0]["role"] == "user" for chats in sets.values() for chat in chats)
 
 
 def test_world_tiny_has_the_pinned_digest(built):

@@ -8,7 +8,8 @@ the pipeline trains it for target A with its own vocab_map and finetune stages (
 
 Out (HF `save_pretrained` folders, chat JSONL `{"messages": [...]}`): `tokenizer/`, `data_a.jsonl`, `target_a/`,
 `target_b/`, `data_b.jsonl` (domain-B prompts, target B's answers), `prompts_b.jsonl` (held-out domain-B user turns,
-some two-turn, for probes), `manifest.json` (losses, target B's greedy top-1 probability, counts, seconds per
+some two-turn, for probes), `prompts_b_prose.jsonl` and `prompts_b_code.jsonl` (held-out domain-B user turns
+about docstrings that are prose, and about those heavy in code: the default eval sets), `manifest.json` (losses, target B's greedy top-1 probability, counts, seconds per
 phase, `digest`: a sha256 over the weights and data, `cpu`: the settings it was computed under). Deterministic
 for a seed (training runs by step count) and the same on every x86 CPU: the build runs under
 `stages.common.contract.runtime.SAME_ON_EVERY_CPU` (MKL's compatible code path, ATen's AVX2 kernels) with a fixed thread
@@ -115,6 +116,24 @@ def split_docs(cfg: DictConfig) -> Domains:
                    eval_b=b[: cfg.eval_docs], probes=b[cfg.eval_docs: held])
 
 
+CODE_MARKS = "()[]{}=_:,'\"<>*"
+
+
+def heavy_in_code(doc: Docstring) -> bool:
+    """A docstring of doctests or dense with code punctuation (more than 5% of its characters: the top quarter)."""
+    return ">>>" in doc.text or sum(char in CODE_MARKS for char in doc.text) > 0.05 * len(doc.text)
+
+
+def eval_sets(docs: list[Docstring], count: int, multi_turn: int) -> dict[str, list[dict]]:
+    """The held-out domain-B docstrings as two eval sets that differ in kind: prose and code-heavy answers."""
+    code = [doc for doc in docs if heavy_in_code(doc)]
+    prose = [doc for doc in docs if not heavy_in_code(doc)]
+    if not code or len(prose) < count + multi_turn:
+        raise RegraftError(None, f"{len(prose)} prose and {len(code)} code-heavy held-out docstrings are too few for "
+                           f"{count} probe prompts per set", "raise max_docs or eval_docs, or lower probe_prompts")
+    return {"prose": probe_rows(prose, count, multi_turn), "code": probe_rows(code, min(count, len(code)), 0)}
+
+
 def chats(docs: list[Docstring]) -> list[list[dict]]:
     return [as_conversation(doc, index)["messages"] for index, doc in enumerate(docs)]
 
@@ -155,7 +174,7 @@ def train_target(model, tokenizer, docs: list[Docstring], cfg: DictConfig, steps
 # what the world's digest covers, in this order: its weights and data (not the configs beside the weights, which
 # carry the transformers version)
 DIGESTED = ("tokenizer/tokenizer.json", "data_a.jsonl", "target_a/model.safetensors", "target_b/model.safetensors",
-            "data_b.jsonl", "prompts_b.jsonl")
+            "data_b.jsonl", "prompts_b.jsonl", "prompts_b_prose.jsonl", "prompts_b_code.jsonl")
 FRESH = "REGRAFT_WORLD_FRESH"  # set in the fresh interpreter run() starts, so that it builds whatever it finds
 
 
@@ -235,6 +254,10 @@ def build(cfg: DictConfig, cpu: dict) -> StageResult:
                          for p, text in zip(prompts, answers.texts)], root / "data_b.jsonl")
             probes = probe_rows(domains.probes, cfg.probe_prompts, cfg.probe_multi_turn)
             write_jsonl(probes, root / "prompts_b.jsonl")
+            for name, rows in eval_sets(domains.eval_b + domains.probes, cfg.probe_prompts,
+                                        cfg.probe_multi_turn).items():
+                write_jsonl(rows, root / f"prompts_b_{name}.jsonl")
+                metrics[f"eval_set_{name}"] = len(rows)
             greedy = generate_answers(model_b, tokenizer, [row["messages"][:1] for row in probes], cfg.max_new_tokens,
                                       cfg.gen_batch_size, desc="world: greedy on prompts_b")
             metrics.update(target_b_greedy_top1=greedy.mean_top1, greedy_distinct_ids=greedy.distinct_ids,

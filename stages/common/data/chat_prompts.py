@@ -7,7 +7,12 @@ special tokens added), so the two engines are asked the same prompt.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+
+from omegaconf import MISSING
+
+from stages.common.contract.errors import RegraftError
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -29,3 +34,26 @@ def context_length(target_dir: Path) -> int | None:
     config = json.loads((Path(target_dir) / "config.json").read_text())
     length = (config.get("text_config") or config).get("max_position_embeddings")
     return int(length) if length else None
+
+
+@dataclass
+class EvalSet:
+    """One workload the probe measures on its own: its name (`accept_len/<name>`) and a chat JSONL whose user turns
+    are asked, or `builtin`. A list of these, not a name -> path mapping: Hydra merges a mapping given on the command
+    line into the default one, and replaces a list, which is what a user giving their own sets means."""
+
+    name: str = MISSING
+    path: str = MISSING
+
+
+def check_eval_sets(sets: list, key: str) -> None:
+    names = [entry.name for entry in sets]
+    if not names:
+        raise RegraftError(f"{key}=[]", "no prompts to ask",
+                           f"set {key}='[{{name: chat, path: chats.jsonl}}]' (or path: builtin)")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise RegraftError(f"{key}", f"names {', '.join(repeated)} more than once", "give every eval set its own name")
+    if any("/" in name for name in names):
+        raise RegraftError(f"{key}", "a set's name holds '/', which would split its metric names",
+                           "name the sets without '/'")

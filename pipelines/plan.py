@@ -1,0 +1,182 @@
+"""`regraft ... pipeline.plan=true`: the run as it would go, checked and costed, with no stage run.
+
+Every check the pipeline makes before any work, all of them (not the first problem only); the DAG with each node's
+cache state (hit: a complete output is there; run: it would be computed) and its job's resources on the chosen
+launcher; and per node the estimates of pipelines/estimates.py, with their totals. It writes `plan.json` in the run
+folder and, with `launcher=slurm`, `plan/<node>.sbatch`: the batch script each job would be submitted with (its
+`--dependency` left out, as the upstream jobs have no ids yet; plan.json lists them). No stage output, no MLflow
+run. Exit 0 when every check passes, 1 when any does not.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from pipelines.cache import keys_for, output_dir
+from pipelines.dag import Node, build_nodes, resolve, training_data
+from pipelines.estimates import Estimate, PlanContext, device_rate, estimate
+from pipelines.launchers import Launcher, SlurmLauncher, make_launcher
+from pipelines.preflight import problems_before_any_work
+from pipelines.runner import pending
+
+
+def plan_context(cfg: DictConfig, outputs: dict[str, Path]) -> tuple[PlanContext, str]:
+    rate, rate_note = device_rate(cfg.plan, cfg.launcher.threads)
+    paths = resolve(OmegaConf.create({"data": training_data(cfg), "source": cfg.source.path}), outputs)
+    return PlanContext(rate=rate, data=paths.data, source=paths.source,
+                       draft_vocab_size=int(cfg.vocab_map.draft_vocab_size),
+                       sample_rows=int(cfg.plan.sample_rows)), rate_note
+
+
+def resources_of(launcher: Launcher, node: Node) -> dict[str, Any]:
+    """The job's submitit parameters (inline: none, it runs in this process)."""
+    if launcher.cfg.name == "inline":
+        return {}
+    return {key: value for key, value in launcher.resources(node).items() if value not in (None, {}, [])}
+
+
+def job_shape(launcher_name: str, resources: dict[str, Any]) -> str:
+    """A job's resources in a few characters: `2x8 8g 12c 24h` is 2 nodes x 8 tasks, 8 GPUs and 12 CPUs a task, 24 h."""
+    if launcher_name != "slurm":
+        return {"inline": "inline", "local": "local"}.get(launcher_name, launcher_name)
+    shape = f"{resources.get('nodes', 1)}x{resources.get('tasks_per_node', 1)}"
+    if resources.get("gpus_per_node"):
+        shape += f" {resources['gpus_per_node']}g"
+    if resources.get("cpus_per_task"):
+        shape += f" {resources['cpus_per_task']}c"
+    minutes = resources.get("timeout_min")
+    return shape + (f" {minutes / 60:g}h" if minutes else "")
+
+
+def batch_script(launcher: SlurmLauncher, node: Node, config: dict[str, Any]) -> str:
+    """The sbatch script submitit would write for this node's job (what `submit` hands to sbatch, but for the
+    dependency, which needs the upstream jobs' ids)."""
+    from pipelines.jobs import resumable
+
+    resources = launcher.resources(node)
+    if resumable(config):
+        resources["additional_parameters"] = {"requeue": True, **(resources.get("additional_parameters") or {})}
+    executor = launcher.executor(node, [], resources)
+    return executor._executor._make_submission_file_text("<submitit's python -m submitit.core._submit FOLDER>",
+                                                         "plan")  # noqa: SLF001 (submitit has no public form)
+
+
+def node_row(node: Node, hit: bool, resources: dict[str, Any], figures: Estimate) -> dict[str, Any]:
+    return {"node": node.name, "stage": node.stage, "phase": node.phase, "cached": hit, "after": node.upstream,
+            "resources": resources, **figures.as_dict()}
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sums over the nodes that would run (a hit costs nothing); a figure is a lower bound when a node's is unknown."""
+    running = [row for row in rows if not row["cached"]]
+    out: dict[str, Any] = {}
+    for key, name in (("gpu_hours", "gpu_hours"), ("feature_bytes", "feature_bytes"),
+                      ("checkpoint_bytes", "checkpoint_bytes")):
+        known = [row[key] for row in running if row[key] is not None]
+        out[name] = sum(known)
+        out[f"{name}_unknown_for"] = [row["node"] for row in running if row[key] is None and
+                                      (key == "gpu_hours" or row["stage"] in BYTES_OF[key])]
+    out["bytes"] = out["feature_bytes"] + out["checkpoint_bytes"]
+    return out
+
+
+RACE_NOTE = ("pipeline.race: the rungs are decided as the race runs, so this is the DAG before it, with one "
+             "fine-tune; the race trains len(race.inits) x len(race.lrs) candidates, at most race.budget_steps each")
+BYTES_OF = {"feature_bytes": {"features"}, "checkpoint_bytes": {"finetune"}}
+
+
+def human_bytes(value: int | None) -> str:
+    if value is None:
+        return "?"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} B"
+
+
+def device_time(value: float | None) -> str:
+    """Hours as a reader budgets them: `9.02 h`, `41 s`, `0`; `?` when unknown."""
+    if value is None:
+        return "?"
+    if not value:
+        return "0"
+    return f"{value:.3g} h" if value >= 0.1 else f"{value * 3600:.2g} s"
+
+
+def plan_table(rows: list[dict[str, Any]], total: dict[str, Any], device: str, launcher: str) -> Table:
+    table = Table(title="plan: nothing has run", title_justify="left")
+    for column in ("node", "cache", "job", "tokens", "features", "ckpts", f"on {device}"):
+        table.add_column(column, overflow="fold", justify="left" if column in ("node", "cache", "job") else "right")
+    for row in rows:
+        table.add_row(row["node"], "hit" if row["cached"] else "run", job_shape(launcher, row["resources"]),
+                      f"{row['tokens']:,}" if row["tokens"] is not None else "",
+                      human_bytes(row["feature_bytes"]) if row["stage"] == "features" else "",
+                      human_bytes(row["checkpoint_bytes"]) if row["stage"] == "finetune" else "",
+                      device_time(row["gpu_hours"]))
+    def at_least(key: str, shown: str) -> str:  # a sum with unknown parts is a lower bound
+        if not total[f"{key}_unknown_for"]:
+            return shown
+        return "?" if not total[key] else f">= {shown}"
+
+    table.add_row("to run", "", "", "", at_least("feature_bytes", human_bytes(total["feature_bytes"])),
+                  at_least("checkpoint_bytes", human_bytes(total["checkpoint_bytes"])),
+                  at_least("gpu_hours", device_time(total["gpu_hours"])), end_section=True)
+    return table
+
+
+def write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
+
+
+def plan_pipeline(cfg: DictConfig, run_dir: Path, console: Console) -> dict[str, Any]:
+    """The plan of this config: checked, its DAG with cache states, resources and estimates; written to
+    `run_dir/plan.json` (and the Slurm batch scripts). Returns what plan.json holds."""
+    nodes = build_nodes(cfg)
+    launcher = make_launcher(cfg.launcher, run_dir / "jobs")
+    problems = problems_before_any_work(cfg, nodes, launcher)
+    keys = keys_for(nodes)
+    cache = Path(cfg.paths.cache)
+    outputs = {node.name: output_dir(cache, node.stage, keys[node.name]) for node in nodes}
+    will_run = {node.name for node in pending(nodes, keys, cache)}
+    context, rate_note = plan_context(cfg, outputs)
+    rows, scripts = [], {}
+    for node in nodes:
+        config = resolve(node.config, outputs)
+        config.out = str(outputs[node.name])
+        rows.append(node_row(node, node.name not in will_run, resources_of(launcher, node),
+                             estimate(node.stage, config, context)))
+        if isinstance(launcher, SlurmLauncher) and node.name in will_run:
+            scripts[node.name] = batch_script(launcher, node, OmegaConf.to_container(config, resolve=True))
+    plan = {"problems": problems, "device": cfg.plan.device, "rate": rate_note, "nodes": rows,
+            "totals": totals(rows), "batch_scripts": {}, "notes": []}
+    if cfg.pipeline.race:
+        plan["notes"].append(RACE_NOTE)
+    for name, text in scripts.items():
+        path = run_dir / "plan" / f"{name}.sbatch"
+        write_atomically(path, text)
+        plan["batch_scripts"][name] = str(path)
+    write_atomically(run_dir / "plan.json", json.dumps(plan, indent=2))
+    console.print(plan_table(rows, plan["totals"], cfg.plan.device, cfg.launcher.name))
+    console.print(f"device time: FLOPs over {rate_note}; plan.json has GPU-hours per node", highlight=False,
+                  soft_wrap=True)
+    unknown = sorted({name for key in ("gpu_hours", "feature_bytes", "checkpoint_bytes")
+                      for name in plan["totals"][f"{key}_unknown_for"]})
+    if unknown:
+        console.print(f"not known before they run ({', '.join(unknown)}): plan.json says why", highlight=False,
+                      soft_wrap=True)
+    for note in plan["notes"]:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if scripts:
+        console.print(f"batch scripts: {run_dir / 'plan'} ({len(scripts)})", highlight=False)
+    for problem in problems:
+        console.print(f"[red]problem:[/red] {problem}", highlight=False, soft_wrap=True)
+    console.print(f"plan: {run_dir / 'plan.json'}", highlight=False)
+    return plan

@@ -1,0 +1,122 @@
+"""`regraft pipeline.plan=true`: every problem listed, the DAG with its cache states, and estimates held against
+what the run then measured (tokens and feature bytes against the features manifest, parameters against the
+exported drafter); no stage output, no MLflow run; on Slurm, batch scripts that `sbatch --test-only` accepts."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from tests.slurm_cluster import slurm_cluster  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["debug=tiny", "tracking.enabled=false"]
+
+
+def regraft(outputs: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipelines.regraft", f"paths.outputs={outputs}", *overrides],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900, env=env)
+
+
+def the_plan(outputs: Path) -> dict:
+    plans = sorted((outputs / "runs").glob("*/plan.json"), key=lambda path: path.stat().st_mtime)
+    return json.loads(plans[-1].read_text())
+
+
+def stage_outputs(outputs: Path) -> list[Path]:
+    return sorted((outputs / "cache").glob("*/*")) if (outputs / "cache").exists() else []
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> Path:
+    """The tiny pipeline planned on an empty outputs folder, then run: the folder of both."""
+    outputs = tmp_path_factory.mktemp("plan")
+    planned = regraft(outputs, *TINY, "pipeline.plan=true")
+    assert planned.returncode == 0, planned.stdout[-3000:]
+    assert not stage_outputs(outputs) and not (outputs / "mlflow.db").exists()
+    (outputs / "first_plan.json").write_text(json.dumps(the_plan(outputs)))
+    done = regraft(outputs, *TINY)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return outputs
+
+
+def test_a_plan_before_any_run_lists_every_node_to_run_and_writes_no_stage_output(ran):
+    plan = json.loads((ran / "first_plan.json").read_text())
+    assert plan["problems"] == []
+    names = [row["node"] for row in plan["nodes"]]
+    assert names[0] == "world" and {"finetune", "evaluate", "baseline_finetune"} <= set(names)
+    assert not any(row["cached"] for row in plan["nodes"])
+    features = next(row for row in plan["nodes"] if row["node"] == "features")
+    assert features["feature_bytes"] is None and "is not there yet" in features["notes"][0]
+    assert "features" in plan["totals"]["feature_bytes_unknown_for"]
+
+
+def test_a_plan_after_the_run_holds_every_node_cached_and_its_estimates_match_the_outputs(ran):
+    planned = regraft(ran, *TINY, "pipeline.plan=true")
+    assert planned.returncode == 0, planned.stdout[-3000:]
+    assert "plan: nothing has run" in planned.stdout
+    plan = the_plan(ran)
+    rows = {row["node"]: row for row in plan["nodes"]}
+    assert all(row["cached"] for row in rows.values())
+    assert plan["totals"]["gpu_hours"] == 0 and plan["totals"]["bytes"] == 0  # nothing left to run
+
+    run = json.loads(next((ran / "runs").glob("*/summary.json")).read_text())["stages"]
+    features = json.loads((Path(run["features"]["out"]) / "manifest.json").read_text())["metrics"]
+    assert rows["features"]["tokens"] == features["tokens"]  # counted as the stage counts them
+    assert rows["features"]["feature_bytes"] == pytest.approx(features["bytes"], rel=0.02)
+
+    drafter = Path(run["finetune"]["out"]) / "drafter" / "model.safetensors"
+    with safe_open(str(drafter), "pt") as tensors:
+        weights = sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys()
+                      if name not in ("d2t", "t2d"))
+    assert f"; {weights:,} parameters (" in " ".join(rows["finetune"]["notes"])  # the drafter it exported
+    assert rows["finetune"]["checkpoint_bytes"] >= weights * 4
+    assert rows["finetune"]["gpu_hours"] > 0 and rows["probe"]["gpu_hours"] > 0 and rows["remap"]["gpu_hours"] == 0
+
+
+def test_a_plan_lists_every_problem_and_exits_1(tmp_path):
+    done = regraft(tmp_path, *TINY, "pipeline.plan=true", "finetune.lr=-1", "probe.backend=vllm",
+                   "probe.vllm.python=/nowhere/python")
+    assert done.returncode == 1
+    problems = the_plan(tmp_path)["problems"]
+    assert any(problem.startswith("finetune.lr=-1.0: must be > 0") for problem in problems), problems
+    assert any("probe.vllm.python=/nowhere/python: no vLLM engine venv there" in p for p in problems), problems
+    assert done.stdout.count("problem:") == len(problems) and "2 problem(s) above" in done.stdout.splitlines()[-1]
+    assert not stage_outputs(tmp_path)
+
+
+def test_a_plan_on_a_gpu_costs_the_same_flops_at_the_gpus_rate(ran):
+    cpu = the_plan(ran)
+    gpu = regraft(ran, *TINY, "pipeline.plan=true", "plan.device=h200")
+    assert gpu.returncode == 0, gpu.stdout[-2000:]
+    h200 = the_plan(ran)
+    assert h200["rate"] == "h200: 989 TFLOP/s x utilisation 0.4"
+    for on_cpu, on_gpu in zip(cpu["nodes"], h200["nodes"]):
+        assert on_gpu["flops"] == on_cpu["flops"]
+        if on_gpu["flops"]:
+            assert on_gpu["gpu_hours"] == pytest.approx(on_gpu["flops"] / (989e12 * 0.4) / 3600)
+
+
+@pytest.mark.slurm
+def test_a_slurm_plan_writes_batch_scripts_sbatch_accepts(tmp_path, slurm_cluster):  # noqa: F811
+    done = regraft(tmp_path, *TINY, "pipeline.plan=true", "launcher=slurm",
+                   f"launcher.resources.slurm_partition={slurm_cluster.partition}",
+                   "launcher.resources.cpus_per_task=1", "launcher.per_stage.finetune.cpus_per_task=1",
+                   "launcher.per_stage.finetune.gpus_per_node=0", "launcher.resources.timeout_min=20",
+                   "launcher.per_stage.finetune.timeout_min=20")
+    assert done.returncode == 0, done.stdout[-3000:]
+    plan = the_plan(tmp_path)
+    scripts = plan["batch_scripts"]
+    assert set(scripts) == {row["node"] for row in plan["nodes"] if not row["cached"]}
+    for node, path in scripts.items():
+        text = Path(path).read_text()
+        assert f"#SBATCH --job-name=regraft-{node}" in text and "--dependency" not in text
+        checked = subprocess.run(["sbatch", "--test-only", path], capture_output=True, text=True, timeout=60)
+        assert checked.returncode == 0 and "to start at" in checked.stderr, (node, checked.stderr)
+    assert "#SBATCH --requeue" in Path(scripts["finetune"]).read_text()
+    assert not stage_outputs(tmp_path)
