@@ -36,11 +36,21 @@ def folder_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
-def measured(stage: dict) -> dict:
+def computed_seconds(outputs: Path) -> dict[str, float]:
+    """Each cache key's seconds in the run that computed it (its summary's stage, not a hit)."""
+    seconds = {}
+    for path in sorted((outputs / "runs").glob("*/summary.json")):
+        for stage in json.loads(path.read_text()).get("stages", {}).values():
+            if not stage["hit"]:
+                seconds[stage["key"]] = stage["seconds"]
+    return seconds
+
+
+def measured(stage: dict, seconds: dict[str, float]) -> dict:
     out = Path(stage["out"])
     manifest = json.loads((out / "manifest.json").read_text())
     checkpoints = out.with_name(out.name + ".checkpoints")
-    return {"seconds": manifest["finished_at"] - manifest["started_at"], "metrics": manifest["metrics"],
+    return {"seconds": seconds.get(stage["key"]), "metrics": manifest["metrics"],
             "checkpoint_bytes": folder_bytes(out / "drafter") + (folder_bytes(checkpoints)
                                                                  if checkpoints.exists() else 0)}
 
@@ -49,13 +59,13 @@ def ratio(planned, actual) -> str:
     return f"{planned / actual:.2f}" if planned is not None and actual else "-"
 
 
-def rows_of(plan: dict, summary: dict) -> list[list[str]]:
+def rows_of(plan: dict, summary: dict, seconds: dict[str, float]) -> list[list[str]]:
     planned = {row["node"]: row for row in plan["nodes"]}
     rows = []
     for name in NODES:
         if name not in planned or name not in summary["stages"]:
             continue
-        row, actual = planned[name], measured(summary["stages"][name])
+        row, actual = planned[name], measured(summary["stages"][name], seconds)
         plan_seconds = row["gpu_hours"] * 3600 if row["gpu_hours"] is not None else None
         if name == "features":
             bytes_pair = (row["feature_bytes"], actual["metrics"]["bytes"])
@@ -65,7 +75,8 @@ def rows_of(plan: dict, summary: dict) -> list[list[str]]:
         else:
             bytes_pair, tokens = (None, None), "-"
         rows.append([name, tokens, ratio(*bytes_pair),
-                     f"{plan_seconds:.2f}" if plan_seconds is not None else "?", f"{actual['seconds']:.1f}",
+                     f"{plan_seconds:.2f}" if plan_seconds is not None else "?",
+                     f"{actual['seconds']:.1f}" if actual["seconds"] is not None else "?",
                      ratio(plan_seconds, actual["seconds"])])
     return rows
 
@@ -75,8 +86,8 @@ def report(rows: list[list[str]], rate: str) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     lines += ["", f"Bytes: the features' shards (features) and the fine-tunes' drafter and DeepSpeed checkpoints "
-              f"against their folders. Time: FLOPs over {rate}, against the stage's own seconds; the stages reach "
-              "a small share of a matrix product's rate on CPU, so the plan's time is a lower bound here."]
+              f"against their folders. Time: FLOPs over {rate}, against the stage's own seconds in the run that computed it; the stages "
+              "reach a small share of a matrix product's rate on CPU, so the plan's time is a lower bound here."]
     return "\n".join(lines)
 
 
@@ -89,7 +100,8 @@ def main() -> int:
     run = regraft(args.outputs, *args.overrides)
     plan_run = regraft(args.outputs, *args.overrides, "pipeline.plan=true")
     plan = json.loads((plan_run / "plan.json").read_text())
-    text = report(rows_of(plan, json.loads((run / "summary.json").read_text())), plan["rate"])
+    summary = json.loads((run / "summary.json").read_text())
+    text = report(rows_of(plan, summary, computed_seconds(args.outputs)), plan["rate"])
     print(text)
     if args.write:
         sys.path.insert(0, str(Path(__file__).parent))
