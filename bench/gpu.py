@@ -163,7 +163,8 @@ def table(rows: list[dict], sizes: dict, seq: int, ttt_steps: int, device: str, 
         ours, theirs = row["regraft"], row["nemo"]
         gib = (lambda value: f"{value:.1f}" if value is not None else "-")  # noqa: E731
         if isinstance(theirs, dict):
-            nemo = f"{theirs['tokens_s']:,.0f} | {gib(theirs['peak_gib'])} | {ours['tokens_s'] / theirs['tokens_s']:.2f}x"
+            speedup = ours["tokens_s"] / theirs["tokens_s"]
+            nemo = f"{theirs['tokens_s']:,.0f} | {gib(theirs['peak_gib'])} | {speedup:.2f}x"
         else:
             nemo = f"{theirs} | - | -"
         lines.append(f"| {row['family']} | {ours['params'] / 1e9:.2f} B | {ours['tokens_s']:,.0f} | "

@@ -86,7 +86,8 @@ def report(rows: list[list[str]], rate: str) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     lines += ["", f"Bytes: the features' shards (features) and the fine-tunes' drafter and DeepSpeed checkpoints "
-              f"against their folders. Time: FLOPs over {rate}, against the stage's own seconds in the run that computed it; the stages "
+              f"against their folders. Time: FLOPs over {rate}, against the stage's own seconds in the run that "
+              "computed it; the stages "
               "reach a small share of a matrix product's rate on CPU, so the plan's time is a lower bound here."]
     return "\n".join(lines)
 

@@ -250,7 +250,8 @@ def probe_estimate(config: DictConfig, context: PlanContext) -> Estimate:
     # each new token verified with up to num_steps drafts beside it, then once more by plain greedy decoding
     positions = turns * int(config.max_new_tokens) * (int(config.num_steps) + 2)
     return Estimate(flops=2.0 * active * positions,
-                    notes=[f"{turns} turns of {len(config.eval_sets)} eval set(s) x {config.max_new_tokens} tokens; decoding is memory-bound, so the hours "
+                    notes=[f"{turns} turns of {len(config.eval_sets)} eval set(s) x {config.max_new_tokens} tokens; "
+                           "decoding is memory-bound, so the hours "
                            "are a lower bound"])
 
 

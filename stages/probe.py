@@ -4,9 +4,9 @@ settings: `probe` (phase 0, the source drafter as it is), `evaluate` (phase 1, t
 
 In: `target` (an HF model folder), `drafter` (a checkpoint in either layout, or a finetune output holding
 `drafter/`), `eval_sets` (each a name and `builtin` or a JSONL of chats whose user turns are asked one after
-another): each set is measured (`num_prompts` conversations of it) and reported on its own, `accept_len/<set>`, beside the
-aggregate over all of them (`accept_len`: their emitted tokens over their target forwards, so each set weighs by
-its completed tokens).
+another): each set is measured (`num_prompts` conversations of it) and reported on its own, `accept_len/<set>`,
+beside the aggregate over all of them (`accept_len`: their emitted tokens over their target forwards, so each set
+weighs by its completed tokens).
 Backends:
 - `hf` runs greedy speculative decoding here and checks every answer against plain greedy decoding (a mismatch
   stops the stage with the conversation, turn and token).

@@ -319,17 +319,21 @@ def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
     check_map_fits_target(cfg, training_map)
     drafter, own_map = initial_drafter(cfg, training_map)
     target, rows = training_rows(cfg, drafter)
-    train_data, val_data = split(rows, cfg.val_fraction, cfg.seed)
-    first = next(micro_batches(train_data, cfg.micro_batch_size, 0, cfg.seed, 0, 1))
-    checked = preflight(cfg, drafter, own_map, training_map, target, first)
-    work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints")
-    work.mkdir(parents=True, exist_ok=True)
-    resumed = cfg.resume and (work / "deepspeed" / "latest").exists()
-    log = MetricsLog(work / "metrics.jsonl", resume_step=resumed_step(work) if resumed else 0, enabled=rank == 0)
-    if not resumed:
-        log.write(0, "preflight", checked.metrics())
-    waits: list[float] = []
-    best_state, best_val = train(cfg, drafter, target, train_data, val_data, work, log, Progress(), waits)
+    try:
+        train_data, val_data = split(rows, cfg.val_fraction, cfg.seed)
+        first = next(micro_batches(train_data, cfg.micro_batch_size, 0, cfg.seed, 0, 1))
+        checked = preflight(cfg, drafter, own_map, training_map, target, first)
+        work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints")
+        work.mkdir(parents=True, exist_ok=True)
+        resumed = cfg.resume and (work / "deepspeed" / "latest").exists()
+        log = MetricsLog(work / "metrics.jsonl", resume_step=resumed_step(work) if resumed else 0, enabled=rank == 0)
+        if not resumed:
+            log.write(0, "preflight", checked.metrics())
+        waits: list[float] = []
+        best_state, best_val = train(cfg, drafter, target, train_data, val_data, work, log, Progress(), waits)
+    finally:  # the engine's request threads end with the training, however it ends
+        if isinstance(rows, EngineRows):
+            rows.states.close()
     metrics = {**checked.metrics(), **{f"val_{k}": v for k, v in best_val.items()}, **engine_metrics(rows, waits)}
     headline = (f"{drafter.config.describe()}, init={Init(cfg.init).value}: best val loss {best_val.get('loss', float('nan')):.3f}, "
                 f"full_acc_0 {best_val.get('full_acc_0', float('nan')):.3f}, "
@@ -350,7 +354,6 @@ def engine_metrics(rows: Rows, waits: list[float]) -> dict[str, float]:
     """Online: the rows the server computed states for, its seconds doing so, and the trainer's wait for them."""
     if not isinstance(rows, EngineRows):
         return {}
-    rows.states.close()
     return {"engine_rows": rows.states.rows, "engine_seconds": rows.states.seconds, "engine_wait_seconds": sum(waits)}
 
 
