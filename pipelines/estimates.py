@@ -161,7 +161,7 @@ class PlanContext:
     """What every node's estimate shares: the device's rate, the training data and drafter a fine-tune starts
     from (resolved to paths), how many rows to tokenize."""
 
-    rate: float  # FLOP/s
+    rate: float | None  # FLOP/s; None: no device rate (the plan's problems say why)
     data: str  # the chats the fine-tunes train on
     source: str | None  # the source drafter folder
     draft_vocab_size: int
@@ -285,6 +285,6 @@ def estimate(stage: str, config: DictConfig, context: PlanContext) -> Estimate:
         found = ESTIMATORS[stage](config, context)
     except Unknown as exc:
         return Estimate(notes=[str(exc)])
-    if found.flops is not None:
+    if found.flops is not None and context.rate:
         found.gpu_hours = found.flops / context.rate / 3600
     return found

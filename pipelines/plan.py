@@ -26,7 +26,9 @@ from pipelines.runner import pending
 
 
 def plan_context(cfg: DictConfig, outputs: dict[str, Path]) -> tuple[PlanContext, str]:
-    rate, rate_note = device_rate(cfg.plan, cfg.launcher.threads)
+    rate, rate_note = None, f"no device rate: plan.device={cfg.plan.device} is not one of plan.devices"
+    if cfg.plan.device in cfg.plan.devices:  # else a problem the checks listed
+        rate, rate_note = device_rate(cfg.plan, cfg.launcher.threads)
     paths = resolve(OmegaConf.create({"data": training_data(cfg), "source": cfg.source.path}), outputs)
     return PlanContext(rate=rate, data=paths.data, source=paths.source,
                        draft_vocab_size=int(cfg.vocab_map.draft_vocab_size),

@@ -83,8 +83,9 @@ def given_inputs(cfg: DictConfig) -> list[tuple[str, str]]:
 def check_given_inputs(cfg: DictConfig) -> None:
     for key, value in given_inputs(cfg):
         if given(value) and not Path(value).exists():
+            setting = f"the path of {key}" if key.startswith("data.eval_sets.") else f"{key}="
             raise RegraftError(value, f"{key} does not exist",
-                               f"point {key}= at it, or use the built-in example ({key.split('.')[0]}=toy)")
+                               f"point {setting} at it, or use the built-in example ({key.split('.')[0]}=toy)")
     for key, value in given_inputs(cfg):
         if key.startswith("data.") and given(value):
             check_chat_file(Path(value), key)

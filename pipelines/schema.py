@@ -13,7 +13,7 @@ from omegaconf import MISSING
 
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import CHECKS, register_schema, setting
-from stages.common.data.chat_prompts import EvalSet
+from stages.common.data.chat_prompts import EvalSet, check_eval_sets
 from stages.common.drafter.config import check_family
 from stages.compare import CompareConfig
 from stages.diagnose import DiagnoseConfig
@@ -227,6 +227,11 @@ class RegraftConfig:
 
 register_schema("target", TargetConfig)
 register_schema("source", SourceConfig)
+def check_data(cfg, where: str) -> None:
+    check_eval_sets(cfg.eval_sets, f"{where}.eval_sets")
+
+
+CHECKS[DataConfig] = check_data
 register_schema("data", DataConfig)
 register_schema("launcher", LauncherConfig)
 register_schema("tracking", TrackingConfig)
