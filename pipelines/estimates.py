@@ -23,6 +23,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from stages.common.drafter.config import language_model_config
+
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ID_AND_MASK_BYTES = 9  # every stored position also holds its int64 id and bool loss mask
 ADAM_BYTES_PER_PARAM = 12  # a DeepSpeed checkpoint: fp32 weights and Adam's two fp32 moments
@@ -51,8 +53,7 @@ def model_config(folder: str) -> dict[str, Any]:
     path = Path(folder) / "config.json"
     if not path.exists():
         raise Unknown(f"{path} is not there yet" + (" (a stage builds it)" if "/cache/" in str(path) else ""))
-    raw = json.loads(path.read_text())
-    return raw.get("text_config") or raw
+    return language_model_config(json.loads(path.read_text()))
 
 
 @lru_cache(maxsize=8)

@@ -30,6 +30,7 @@ from stages.common.contract.stage import StageResult, register_schema, setting, 
 from stages.common.data.chat import batched, encode_chats, load_tokenizer, read_conversations
 from stages.common.data.parts import part_manifests, part_slice
 from stages.common.contract.errors import RegraftError
+from stages.common.drafter.config import language_model_config
 from stages.common.drafter.tensor_io import spec_of, write_safetensors
 from stages.common.drafter.vocab import VOCAB_MAP_FILE, build_vocab_map
 
@@ -109,8 +110,7 @@ def resolve_vocab_size(cfg_vocab_size: int | None, tokenizer, tokenizer_dir: Pat
         return int(cfg_vocab_size), "config"
     model_config = tokenizer_dir / "config.json"
     if model_config.exists():
-        raw = json.loads(model_config.read_text())
-        raw = raw.get("text_config") or raw
+        raw = language_model_config(json.loads(model_config.read_text()))
         if "vocab_size" in raw:
             return int(raw["vocab_size"]), str(model_config)
     return len(tokenizer), "tokenizer"

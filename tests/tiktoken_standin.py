@@ -77,8 +77,9 @@ def byte_level_alphabet() -> dict[str, int]:
     return characters
 
 
-def build(fast_dir: Path, out: Path, specials: list[str]) -> Path:
-    """A tiktoken tokenizer folder with the ids of the byte-level BPE in `fast_dir`."""
+def build(fast_dir: Path, out: Path, specials: list[str], added: tuple[str, ...] = ()) -> Path:
+    """A tiktoken tokenizer folder with the ids of the byte-level BPE in `fast_dir`; `added` special tokens take the
+    ids after its vocab (as Kimi's media tokens follow its ranks)."""
     vocab = json.loads((fast_dir / "tokenizer.json").read_text())["model"]["vocab"]
     alphabet = byte_level_alphabet()
     out.mkdir(parents=True, exist_ok=True)
@@ -89,9 +90,10 @@ def build(fast_dir: Path, out: Path, specials: list[str]) -> Path:
     source = json.loads((fast_dir / "tokenizer_config.json").read_text())
     config = {"auto_map": {"AutoTokenizer": ["tokenization_standin.TiktokenStandIn", None]},
               "tokenizer_class": "TiktokenStandIn", "chat_template": (fast_dir / "chat_template.jinja").read_text(),
-              "special_token_ids": {token: vocab[token] for token in specials},
+              "special_token_ids": {**{token: vocab[token] for token in specials},
+                                    **{token: len(vocab) + index for index, token in enumerate(added)}},
               "eos_token": source.get("eos_token"), "pad_token": source.get("pad_token"),
               "additional_special_tokens": [t for t in specials if t not in (source.get("eos_token"),
-                                                                             source.get("pad_token"))]}
+                                                                             source.get("pad_token"))] + list(added)}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return out

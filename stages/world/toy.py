@@ -66,16 +66,17 @@ def tiny_llama(tokenizer_dir: str | Path, out_dir: str | Path, hidden_size: int 
 
 
 def tiny_deepseek_v3(tokenizer_dir: str | Path, out_dir: str | Path, hidden_size: int = 64, num_layers: int = 4,
-                     num_heads: int = 2, seed: int = 0) -> Path:
+                     num_heads: int = 2, seed: int = 0, vocab_size: int | None = None) -> Path:
     """A randomly initialised DeepSeek-V3 target (MLA attention, one dense layer then MoE layers, as Kimi-K2's) over
     the tokenizer's vocab. The MLA latent and rope widths are DeepSeek's (512 + 64: vLLM's CPU MLA kernel takes head
-    size 576 only); `noaux_tc` routing, since vLLM builds the router bias transformers saves only for it."""
+    size 576 only); `noaux_tc` routing, since vLLM builds the router bias transformers saves only for it.
+    `vocab_size` above the tokenizer's leaves rows for special tokens another tokenizer adds (Kimi's media ones)."""
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     head = hidden_size // num_heads
     config = DeepseekV3Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        vocab_size=vocab_size or len(tokenizer), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         moe_intermediate_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_heads, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
         first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",

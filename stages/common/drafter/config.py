@@ -440,14 +440,26 @@ def aux_layer_ids_for(num_layers: int) -> list[int]:
     return [0, num_layers // 2 - 1, num_layers - 2]
 
 
+# Model types a multimodal wrapper's text_config may name, as transformers reads them (Kimi-K2.5's says kimi_k2:
+# DeepSeek-V3's architecture, which Kimi_K25Config renames on load).
+TEXT_MODEL_TYPES = {"kimi_k2": "deepseek_v3"}
+
+
+def language_model_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A model's config.json fields of its language model: `text_config` for multimodal wrappers (Kimi-K2.5's),
+    its model_type as transformers reads it."""
+    text = dict(raw.get("text_config") or raw)
+    text["model_type"] = TEXT_MODEL_TYPES.get(text.get("model_type"), text.get("model_type"))
+    return text
+
+
 def target_config(target_dir: str | Path) -> dict[str, Any]:
     """A target folder's config.json, its language-model part for multimodal ones (Kimi-K2.5's text_config)."""
     config = Path(target_dir) / "config.json"
     if not config.exists():
         raise RegraftError(target_dir, "no config.json: not a target model folder",
                            "point at the folder save_pretrained wrote for the target")
-    raw = json.loads(config.read_text())
-    return raw.get("text_config") or raw
+    return language_model_config(json.loads(config.read_text()))
 
 
 def in_stage_output(path: Path) -> bool:

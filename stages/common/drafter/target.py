@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stages.common.drafter.config import OUTPUT_OF_LAYER, convert_aux_layer_ids
+from stages.common.drafter.config import OUTPUT_OF_LAYER, convert_aux_layer_ids, language_model_config
 from stages.common.contract.errors import RegraftError
 
 
@@ -106,11 +106,17 @@ class TargetModel:
     @classmethod
     def load(cls, path: str | Path, aux_layer_ids: list[int], convention: str = OUTPUT_OF_LAYER,
              dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> "TargetModel":
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         if not (Path(path) / "config.json").exists():
             raise RegraftError(path, "no config.json: not a target model folder", "point at a save_pretrained folder")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        # A multimodal wrapper (Kimi-K2.5) is no causal LM to transformers: it loads as image-text-to-text, and
+        # text-only input runs its language model alone.
+        causal = type(config) in AutoModelForCausalLM._model_mapping or "AutoModelForCausalLM" in \
+            (getattr(config, "auto_map", None) or {})
+        loader = AutoModelForCausalLM if causal else AutoModelForImageTextToText
+        model = loader.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
         return cls(model, aux_layer_ids, convention)
 
     def _capture(self, layer_id: int | str):
@@ -203,7 +209,7 @@ class FinalNorm:
     """The target's final RMSNorm, read from its folder: an engine hands out the state after the last layer, the
     shards store it normed (logits = lm_head(last_hidden)), as the hf path's `last_hidden` is."""
 
-    NAMES = ("model.norm.weight", "model.language_model.norm.weight", "norm.weight")
+    NAMES = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight", "norm.weight")
 
     def __init__(self, weight: torch.Tensor, eps: float, num_layers: int):
         self.weight, self.eps, self.num_layers = weight.float(), eps, num_layers
@@ -218,8 +224,7 @@ class FinalNorm:
 
         from stages.common.drafter.verifier import Verifier
 
-        config = json.loads((Path(path) / "config.json").read_text())
-        config = config.get("text_config", config)
+        config = language_model_config(json.loads((Path(path) / "config.json").read_text()))
         files = Verifier.open(path).files
         name = next((name for name in cls.NAMES if name in files), None)
         if name is None:

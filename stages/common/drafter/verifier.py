@@ -12,15 +12,14 @@ from pathlib import Path
 import torch
 
 from stages.common.contract.errors import RegraftError
+from stages.common.drafter.config import language_model_config
 from stages.common.drafter.tensor_io import SafetensorsFiles
 
-LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight")
-EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
-
-
-def _text_config(raw: dict) -> dict:
-    """Multimodal configs (Kimi-K2.5 among them) nest the language model's fields in text_config."""
-    return raw.get("text_config") or raw
+# The released names: a causal LM's, and a multimodal wrapper's language model (Kimi-K2.5's `language_model.*`, the
+# `model.language_model.*` transformers writes).
+LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
+EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight",
+               "language_model.model.embed_tokens.weight")
 
 
 @dataclass
@@ -40,7 +39,7 @@ class Verifier:
         if not config_file.exists():
             raise RegraftError(path, "no config.json: not a target model folder",
                                "point verifier= at the folder save_pretrained wrote for the target")
-        text = _text_config(json.loads(config_file.read_text()))
+        text = language_model_config(json.loads(config_file.read_text()))
         files = SafetensorsFiles.open_model_dir(path)
         tied = bool(text.get("tie_word_embeddings", False))
         names = EMBED_NAMES if tied else LM_HEAD_NAMES + EMBED_NAMES
