@@ -166,19 +166,16 @@ def staged_output(out_dir: str | Path, stage: str, config: Any = None) -> Iterat
     except BaseException:
         _keep_only_logs(tmp)
         raise
-    finally:
-        if tmp.exists() and not any(tmp.rglob("*.log")):
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _keep_only_logs(tmp: Path) -> None:
-    """A failed stage's temp folder loses its outputs but keeps its logs (an engine's log is what the error names),
-    until the next run of that stage sweeps it."""
-    for path in sorted(tmp.rglob("*"), reverse=True):
-        if path.is_file() and path.suffix != ".log":
-            path.unlink(missing_ok=True)
-        elif path.is_dir() and not any(path.iterdir()):
+    """A failed stage's temp folder loses its outputs but keeps its logs (an engine's log is what the error names)
+    until the next run of that stage sweeps it; with no logs, it goes."""
+    for path in [*sorted(tmp.rglob("*"), reverse=True), tmp]:
+        if path.is_dir() and not any(path.iterdir()):
             path.rmdir()
+        elif not path.is_dir() and path.suffix != ".log":
+            path.unlink(missing_ok=True)
 
 
 class StagedOutput:

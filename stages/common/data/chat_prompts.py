@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from stages.common.contract.errors import RegraftError
-from stages.common.drafter.config import language_model_config
+from stages.common.drafter.config import target_config
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -32,8 +32,7 @@ def stop_ids(tokenizer, target_dir: Path) -> set[int]:
 
 def context_length(target_dir: Path) -> int | None:
     """`max_position_embeddings` of the target's config.json (its text part for multimodal ones), if it says."""
-    config = json.loads((Path(target_dir) / "config.json").read_text())
-    length = language_model_config(config).get("max_position_embeddings")
+    length = target_config(target_dir).get("max_position_embeddings")
     return int(length) if length else None
 
 

@@ -10,13 +10,14 @@ logits at the draft vocab's ids. Both come from the final hidden state times the
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from stages.common.drafter.config import OUTPUT_OF_LAYER, convert_aux_layer_ids, language_model_config
+from stages.common.drafter.config import OUTPUT_OF_LAYER, convert_aux_layer_ids, target_config
 from stages.common.contract.errors import RegraftError
 
 
@@ -106,15 +107,17 @@ class TargetModel:
     @classmethod
     def load(cls, path: str | Path, aux_layer_ids: list[int], convention: str = OUTPUT_OF_LAYER,
              dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> "TargetModel":
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        if not (Path(path) / "config.json").exists():
+        config_file = Path(path) / "config.json"
+        if not config_file.exists():
             raise RegraftError(path, "no config.json: not a target model folder", "point at a save_pretrained folder")
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        raw = json.loads(config_file.read_text())
         # A multimodal wrapper (Kimi-K2.5) is no causal LM to transformers: it loads as image-text-to-text, and
         # text-only input runs its language model alone.
-        causal = type(config) in AutoModelForCausalLM._model_mapping or "AutoModelForCausalLM" in \
-            (getattr(config, "auto_map", None) or {})
+        causal = raw.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or \
+            "AutoModelForCausalLM" in raw.get("auto_map", {})
         loader = AutoModelForCausalLM if causal else AutoModelForImageTextToText
         model = loader.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
         return cls(model, aux_layer_ids, convention)
@@ -220,11 +223,9 @@ class FinalNorm:
 
     @classmethod
     def load(cls, path: str | Path) -> "FinalNorm":
-        import json
-
         from stages.common.drafter.verifier import Verifier
 
-        config = language_model_config(json.loads((Path(path) / "config.json").read_text()))
+        config = target_config(path)
         files = Verifier.open(path).files
         name = next((name for name in cls.NAMES if name in files), None)
         if name is None:
