@@ -8,6 +8,7 @@ something goes wrong") lists the same cases.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,10 @@ def inputs(target_dir, tokenizer_dir, chats, vocab_size, tmp_path_factory) -> di
     (root / "not_chats.jsonl").write_text('{"text": "no messages key"}\n')
     write_chats(root / "users_only.jsonl", [[("user", "alpha bravo")], [("user", "charlie")]] * 8)
     (root / "not_a_drafter").mkdir()
-    return {"target": target_dir, "drafter": drafter, "wide_drafter": wide_drafter, "corrupt": corrupt,
+    broken_target = root / "broken_target"
+    shutil.copytree(target_dir, broken_target)
+    (broken_target / "config.json").write_text('{"text_config": {"model_type": "kimi_k2"')
+    return {"broken_target": broken_target, "target": target_dir, "drafter": drafter, "wide_drafter": wide_drafter, "corrupt": corrupt,
             "no_map": no_map, "chats": chats, "root": root}
 
 
@@ -111,6 +115,8 @@ BEFORE_ANY_WORK = [
     ("an empty chat file", [], {"data__train": "empty.jsonl"}, "empty.jsonl: is empty (fix: point data.train="),
     ("a missing chat file", [], {"data__train": "nowhere.jsonl"}, "nowhere.jsonl: data.train does not exist"),
     ("a file that is not chats", [], {"data__train": "not_chats.jsonl"}, "not_chats.jsonl:1: not a chat line"),
+    ("a target whose config.json is cut short", [], {"target__path": "broken_target"},
+     "broken_target/config.json: invalid JSON (Expecting"),
     ("a folder that is not a drafter", [], {"source__path": "not_a_drafter"},
      "not_a_drafter: no config.json: not a drafter checkpoint folder"),
     ("a drafter as wide as another target", [], {"source__path": "wide_drafter"},

@@ -459,7 +459,11 @@ def target_config(target_dir: str | Path) -> dict[str, Any]:
     if not config.exists():
         raise RegraftError(target_dir, "no config.json: not a target model folder",
                            "point at the folder save_pretrained wrote for the target")
-    return language_model_config(json.loads(config.read_text()))
+    try:
+        raw = json.loads(config.read_text())
+    except json.JSONDecodeError as exc:
+        raise RegraftError(config, f"invalid JSON ({exc})", "fix it, or save the target again") from exc
+    return language_model_config(raw)
 
 
 def in_stage_output(path: Path) -> bool:
