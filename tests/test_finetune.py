@@ -205,3 +205,15 @@ def test_train_lines_carry_the_lr_each_step_used_and_the_norm_clipping_saw(train
         assert [m["lr"] for m in train] == pytest.approx(used) and len(set(used)) > 2
     assert all(norm > 0 for norm in norms[0]) and len(set(norms[0])) == len(norms[0])
     assert norms[0] == pytest.approx(norms[2], rel=1e-4)
+
+
+def test_bf16_trains_on_float32_target_states_as_float32_does(trained_target, chats, training_map, tmp_path):
+    """deepspeed.bf16 casts only the drafter: the target's float32 states (and cached ones of any dtype) are read in
+    the drafter's dtype, and the losses stay those of float32 to bf16's precision."""
+    common = [f"target={trained_target}", f"data={chats}", f"vocab_map={training_map}", "init=scratch",
+              "ttt_steps=2", "micro_batch_size=4", "max_length=48", "lr=3e-3", "val_fraction=0.2", "max_steps=3",
+              "deepspeed.zero_stage=2"]
+    fp32 = finetune.run(compose_stage("finetune", common + [f"out={tmp_path / 'fp32'}", "deepspeed.bf16=false"]))
+    bf16 = finetune.run(compose_stage("finetune", common + [f"out={tmp_path / 'bf16'}", "deepspeed.bf16=true"]))
+    assert bf16.metrics["val_loss"] == pytest.approx(fp32.metrics["val_loss"], rel=2e-2)
+    assert bf16.metrics["val_loss"] != fp32.metrics["val_loss"]  # it did train in bf16

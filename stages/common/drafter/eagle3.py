@@ -317,15 +317,16 @@ class Eagle3Drafter(nn.Module):
         return aux_hidden
 
     def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """[B, T, 3 * H_target] concatenated aux hidden states -> [B, T, H]."""
-        return self.fc(self.aux_as_fc_reads(aux_hidden))
+        """[B, T, 3 * H_target] concatenated aux hidden states -> [B, T, H], in the drafter's dtype (the states may
+        come as the target or its cache stored them; DeepSpeed's bf16 casts only the drafter)."""
+        return self.fc(self.aux_as_fc_reads(aux_hidden.to(self.fc.weight.dtype)))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache: KVCache | TTTCache | None = None, attention_mask: torch.Tensor | None = None) -> DraftOutput:
         if position_ids is None:
             start = cache.length if isinstance(cache, KVCache) else 0
             position_ids = torch.arange(start, start + embeds.shape[1], device=embeds.device)[None]
-        out = self.midlayer(embeds, hidden, position_ids, cache, attention_mask)
+        out = self.midlayer(embeds.to(self.fc.weight.dtype), hidden, position_ids, cache, attention_mask)
         normed = self.norm(out)
         return DraftOutput(logits=self.lm_head(normed), hidden=normed if self.config.norm_output else out)
 
