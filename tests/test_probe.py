@@ -128,3 +128,39 @@ def test_hf_backend_refuses_tree_drafting(trained_target, scratch_run, prompts, 
     with pytest.raises(RegraftError, match="topk"):
         probe.run(probe_cfg(trained_target, scratch_run[0], tmp_path / "t", prompts, "topk=2"))
     assert not (tmp_path / "t").exists()
+
+
+def parting_row(cfg, drafter: Path, tied: bool) -> dict | None:
+    """An answer that takes the runner-up where bf16's greedy path (cfg.target's) has its first pick: at a rounding
+    tie (float32 separates the two by no more than bf16's logits stray from float32's there), or far from one."""
+    low, exact = probe.hf_target(cfg, drafter, "bfloat16"), probe.hf_target(cfg, drafter, "float32")
+    for ids in ([5, 6, 7], [9, 3, 11, 4], [12, 2], [8, 13, 1, 6]):
+        expected = greedy_generate(low, ids, 32, set()).tokens
+        for at in range(len(expected)):
+            context = ids + expected[:at]
+            top = exact.features(torch.tensor([context])).logits[0, -1].topk(2).indices.tolist()
+            runner_up = top[1] if top[0] == expected[at] else top[0]
+            margin, rounding = probe.tie_margin(low, exact, context, expected[at], runner_up)
+            if (margin <= rounding) if tied else (margin > 2 * rounding):
+                return {"prompt": ids, "tokens": expected[:at] + [runner_up], "conversation": 0, "turn": 0}
+    return None
+
+
+def test_the_hf_cross_check_tells_a_rounding_tie_from_a_wrong_token(target_dir, trained_target, scratch_run, prompts,
+                                                                    tmp_path):
+    """vLLM's answers are held exactly against its own plain greedy; against the hf target in bf16 an answer may
+    part where two tokens' logits are closer than bf16's rounding there: a tie, counted (the untrained target's
+    near-flat logits have them). The runner-up taken where the logits stand apart (the trained target's), or any
+    difference in float32, is an error."""
+    drafter = scratch_run[0] / "drafter"
+    flat = probe_cfg(target_dir, drafter, tmp_path / "flat", prompts, "dtype=bfloat16", "max_new_tokens=32")
+    sharp = probe_cfg(trained_target, drafter, tmp_path / "sharp", prompts, "dtype=bfloat16", "max_new_tokens=32")
+    tied, apart = parting_row(flat, drafter, tied=True), parting_row(sharp, drafter, tied=False)
+    assert tied is not None and apart is not None
+    counts = probe.check_against_hf(flat, [tied], drafter, stops=[])
+    assert counts["hf_turns_rounding_ties"] == 1 and counts["hf_turns_equal"] == 0
+    with pytest.raises(RegraftError, match="not lossless: vLLM with speculation left the hf target's greedy"):
+        probe.check_against_hf(sharp, [apart], drafter, stops=[])
+    strict = probe_cfg(target_dir, drafter, tmp_path / "strict", prompts, "dtype=float32", "max_new_tokens=32")
+    with pytest.raises(RegraftError, match="not lossless"):
+        probe.check_against_hf(strict, [tied], drafter, stops=[])
