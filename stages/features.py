@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm import tqdm
 
 from stages.common.contract.artifacts import StagedOutput, engine_fields, staged_output
@@ -36,7 +36,7 @@ from stages.common.contract.errors import RegraftError
 from stages.common.data.feature_shards import LastHidden, Layout, ShardWriter
 from stages.common.contract.stage import StageResult, register_schema, setting, stage_main
 from stages.common.drafter.target import FinalNorm, TargetModel
-from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, check_engine
+from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, check_engine, check_engine_here
 from stages.common.engines.vllm_states import capture_settings, read_engine_states
 
 
@@ -85,6 +85,14 @@ class FeaturesConfig:
 def check_features(cfg: DictConfig, where: str) -> None:
     if Backend(cfg.backend) is Backend.vllm:
         check_engine(cfg.vllm, f"{where}." if where else "")
+
+
+def check_before_work(cfg: dict, stage: str) -> None:
+    """What the pipeline asks of every stage before any work, where it will run (pipelines/launchers.py): an engine
+    this machine can run as asked."""
+    if Backend(cfg["backend"]) is Backend.vllm:
+        check_engine_here(OmegaConf.create(cfg["vllm"]), f"{stage}.", cfg.get("target"),
+                          stock_connector=cfg["vllm_connector"] == "stock")
 
 
 register_schema("features", FeaturesConfig, check=check_features)

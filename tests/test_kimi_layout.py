@@ -12,6 +12,7 @@ from transformers import DeepseekV3ForCausalLM
 
 from pipelines.estimates import target_params
 from stages.common.contract.artifacts import staged_output
+from stages.common.contract.errors import RegraftError
 from stages.common.data.chat_prompts import context_length
 from stages.common.drafter.checkpoint import DrafterCheckpoint
 from stages.common.drafter.config import INPUT_OF_LAYER, target_config
@@ -87,3 +88,21 @@ def test_a_failed_stage_keeps_only_its_logs(tmp_path):
             (staged.path / "d2t.pt").write_bytes(b"half")
             raise RuntimeError("no logs")
     assert list((tmp_path / "vocab_map").iterdir()) == []
+
+
+def test_an_in_process_cpu_engine_is_refused_for_kimi_before_any_work(kimi, target_dir):
+    """vLLM's CPU build serves Kimi-K2.5 out of process only: the probe's and the features' check names the fix; a
+    Llama target, or the engine out of process, passes."""
+    from stages import features, probe
+    from stages.common.engines.vllm_engine import VllmConfig, gpu_visible
+
+    if gpu_visible():
+        pytest.skip("this machine has a GPU: the CPU build's limits do not apply")
+    in_process, out_of_process = vars(VllmConfig(in_process=True)), vars(VllmConfig(in_process=False))
+    with pytest.raises(RegraftError, match=r"probe.vllm.in_process=true: .* \(fix: set probe.vllm.in_process=false\)"):
+        probe.check_before_work({"backend": "vllm", "target": str(kimi), "vllm": in_process, "sglang": {}}, "probe")
+    with pytest.raises(RegraftError, match="features.vllm.in_process=true"):
+        features.check_before_work({"backend": "vllm", "target": str(kimi), "vllm": in_process,
+                                    "vllm_connector": "cpu"}, "features")
+    probe.check_before_work({"backend": "vllm", "target": str(kimi), "vllm": out_of_process, "sglang": {}}, "probe")
+    probe.check_before_work({"backend": "vllm", "target": str(target_dir), "vllm": in_process, "sglang": {}}, "probe")

@@ -85,6 +85,40 @@ def check_engine(cfg: VllmConfig | DictConfig, where: str) -> None:
                            f"run `make venv-vllm`, or set {where}vllm.python= to an interpreter with vllm")
 
 
+def gpu_visible() -> bool:
+    """Whether this machine shows a GPU (an NVIDIA or ROCm device node), read without importing torch."""
+    dev = Path("/dev")
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
+
+
+def multimodal_kimi(target: str | None) -> bool:
+    """A target folder in Kimi-K2.5's layout (its config a multimodal wrapper of model_type kimi_k25)."""
+    config = Path(str(target)) / "config.json" if target else None
+    if config is None or not config.is_file():
+        return False
+    try:
+        return json.loads(config.read_text()).get("model_type") == "kimi_k25"
+    except (OSError, ValueError):
+        return False  # the target's own reader names a broken config.json
+
+
+def check_engine_here(cfg: VllmConfig | DictConfig, where: str, target: str | None,
+                      stock_connector: bool = False) -> None:
+    """Before any work, on the machine the stage runs on: what vLLM's CPU build cannot run as asked. Its stock
+    hidden-states connector pins memory (a GPU's); in process, its triton override trips on the numba that Kimi-K2.5's
+    image processor imports (out of process it serves Kimi-K2.5)."""
+    if gpu_visible():
+        return
+    if stock_connector:
+        raise RegraftError(f"{where}vllm_connector=stock", "vLLM's stock hidden-states connector pins memory, which "
+                           "needs a GPU, and this machine has none", f"set {where}vllm_connector=cpu, or run the stage "
+                           "where a GPU is (launcher=slurm)")
+    if cfg.in_process and multimodal_kimi(target):
+        raise RegraftError(f"{where}vllm.in_process=true", f"vLLM's CPU build cannot serve {target} (Kimi-K2.5) in "
+                           "process: its triton override trips on the numba the Kimi image processor imports",
+                           f"set {where}vllm.in_process=false")
+
+
 class VllmEngine:
     """Context manager: start the worker, wait for its ready line, answer requests; stop the group on exit."""
 
