@@ -101,13 +101,24 @@ def finetune_node(cfg: DictConfig, name: str, init: str, phase: str, **settings:
     config = wired(cfg.finetune, target=cfg.target.path, vocab_map="@vocab_map",
                    drafter=finetune_drafter(init, cfg.source.path), **training)
     config.merge_with({"init": init, **settings})
-    if init == "scratch":
+    if init == "scratch":  # no weights to start from, but the source's family: the baseline differs by its init only
         config.drafter = None
+        config.family = config.family or given_source_family(cfg)
     if cached:
         config.data = None
     if cfg.pipeline.offline and not cached:  # features.mode=online: the states from a server (finetune.engine)
         config.engine.enabled = True
     return Node(name, "finetune", config, phase)
+
+
+def given_source_family(cfg: DictConfig) -> str | None:
+    """The family of a source drafter given as a checkpoint (its config.json), for `source.family` left unset."""
+    path = cfg.source.path
+    if not path or REFERENCE.match(str(path)) or not (Path(path) / "config.json").is_file():
+        return None
+    from stages.common.drafter.checkpoint import DrafterCheckpoint
+
+    return DrafterCheckpoint.open(path).config.family
 
 
 def cached_features(cfg: DictConfig) -> bool:

@@ -51,7 +51,8 @@ class SourceBuild:
 class SourceConfig:
     path: str = MISSING  # drafter folder, sglang or speculators layout, or @source_drafter/drafter
     build: Optional[SourceBuild] = None  # set only for a drafter regraft trains itself (the built-in world's)
-    family: Optional[str] = None  # its family, which the from-scratch baseline builds too (conf/wiring); None: eagle3
+    family: Optional[str] = None  # its family, which the from-scratch baseline builds too (conf/wiring); None: a
+    # given checkpoint's own (pipelines/dag.py), eagle3 without one
     target: Optional[str] = None  # the target the drafter was trained for (diagnose's target A, realign's source);
     # None: build.target for the built-in drafter (path @source_drafter/...), else unknown (diagnose then gives what it can without it)
 

@@ -142,3 +142,21 @@ def test_a_reference_to_a_later_stage_is_refused():
     nodes[4].config.data = "@evaluate"
     with pytest.raises(RegraftError, match="@evaluate"):
         check_graph(nodes)
+
+
+def test_the_scratch_baseline_is_built_in_the_given_sources_family(target_dir, tmp_path):
+    """A given source drafter with `source.family` unset: the from-scratch baseline is of the checkpoint's own family
+    (an MLA drafter's baseline an MLA drafter), so the two differ by their init only; a family set wins."""
+    from stages.common.drafter.config import drafter_config_for
+    from stages.common.drafter.eagle3 import Eagle3Drafter
+    from tests.conftest import random_map
+
+    vocab = drafter_config_for(target_dir, 16).vocab_size
+    mla = Eagle3Drafter.initialised(drafter_config_for(target_dir, 16, family="mla"), random_map(vocab, 16, 0))
+    source = mla.save(tmp_path / "mla")
+    given = [f"source.path={source}", "source.build=null", f"target.path={target_dir}"]
+    nodes = {node.name: node for node in nodes_for(*given)}
+    assert nodes["baseline_finetune"].config.family == "mla"
+    nodes = {node.name: node for node in nodes_for(*given, "source.family=eagle3.1")}
+    assert nodes["baseline_finetune"].config.family == "eagle3.1"
+    assert {node.name: node for node in nodes_for()}["baseline_finetune"].config.family == "eagle3"  # built-in world
