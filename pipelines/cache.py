@@ -48,8 +48,10 @@ def module_file(name: str) -> Path | None:
     return None
 
 
-def imported_names(path: Path, module: str) -> set[str]:
-    """Every module name an import statement of the file could load (a name after `from X import` may be one)."""
+@lru_cache(maxsize=None)
+def imported_names(path: Path, module: str) -> frozenset[str]:
+    """Every module name an import statement of the file could load (a name after `from X import` may be one);
+    each file parsed once per process (the stages share most of their modules)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -61,7 +63,7 @@ def imported_names(path: Path, module: str) -> set[str]:
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
     # importing a.b.c runs a/__init__.py and a/b/__init__.py first
-    return {".".join(name.split(".")[:end]) for name in names for end in range(1, name.count(".") + 2)}
+    return frozenset(".".join(name.split(".")[:end]) for name in names for end in range(1, name.count(".") + 2))
 
 
 @lru_cache(maxsize=None)
