@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -201,9 +202,48 @@ def read_curve(out: str, split: str, key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def plot(results: dict[str, dict], run_dir: Path) -> list[Path]:
-    """per_step_accuracy.png, loss_curves.png and accept_len.png in the run folder."""
+PLOTS = ("per_step_accuracy.png", "loss_curves.png", "accept_len.png")
+PLOTTED = (PHASE1.train, BASELINE.train, PROBE, PHASE1.evaluate, BASELINE.evaluate)  # the nodes the plots read
+
+
+def plots_key(results: dict[str, dict]) -> str:
+    """What the plots show, as a content address: the cache keys of the outputs they read (an output's key fixes
+    its metrics and curves) and this module, which draws them."""
+    import hashlib
+
+    read = {node: results[node]["key"] for node in PLOTTED if node in results}
+    payload = json.dumps(read, sort_keys=True).encode() + Path(__file__).read_bytes()
+    return hashlib.sha256(payload).hexdigest()[:16]
+
+
+def plot(results: dict[str, dict], run_dir: Path, cache: Path | None = None) -> list[Path]:
+    """per_step_accuracy.png, loss_curves.png and accept_len.png in the run folder. With `cache` (paths.cache),
+    the plots of the same outputs are drawn once, kept under cache/plots/, and copied into each later run's folder:
+    a warm rerun draws nothing."""
+    if cache is None:
+        return draw_plots(results, run_dir)
+    from filelock import FileLock
+
+    kept = cache / "plots" / plots_key(results)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(kept) + ".lock"):
+        if not all((kept / name).is_file() for name in PLOTS):
+            drawn = kept.with_name(f".{kept.name}.tmp-{uuid.uuid4().hex[:8]}")
+            draw_plots(results, drawn)
+            shutil.rmtree(kept, ignore_errors=True)
+            os.replace(drawn, kept)
+        for name in PLOTS:
+            with naming_full_disk(run_dir / name):
+                shutil.copyfile(kept / name, run_dir / f".{name}.tmp")
+                os.replace(run_dir / f".{name}.tmp", run_dir / name)
+    return [run_dir / name for name in PLOTS]
+
+
+def draw_plots(results: dict[str, dict], run_dir: Path) -> list[Path]:
+    """The three plots drawn into `run_dir`."""
     import matplotlib
+
+    run_dir.mkdir(parents=True, exist_ok=True)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -288,7 +328,7 @@ def finish_run(run_dir: Path, results: dict[str, NodeResult], cfg: DictConfig, o
     """A run's (or sweep member's) end: summary.json, its plots unless it failed, its MLflow parent run closed."""
     summary = write_summary(run_dir, results, OmegaConf.to_container(cfg, resolve=True), overrides, wall_seconds,
                             race=race, failed=failed)
-    plots = [] if failed else plot(summary["stages"], run_dir)
+    plots = [] if failed else plot(summary["stages"], run_dir, Path(cfg.paths.cache))
     write_log(run_dir / "regraft.log", results, summary)
     if tracker is not None:
         tracker.finish_pipeline("FAILED" if failed else "FINISHED", overrides, summary,

@@ -134,6 +134,12 @@ def test_a_second_run_runs_nothing_yet_tracks_every_stage(first_run, outputs):
         assert run.data.tags["artifacts_run"] == originals[name].info.run_id, name
         assert not client.list_artifacts(run.info.run_id), name
         assert run.data.metrics["stage_seconds"] == originals[name].data.metrics["stage_seconds"], name
+    # the plots of the same outputs, kept once under cache/plots/ and copied, not drawn again
+    first_dir, again_dir = sorted((outputs / "runs").iterdir())[-2:]
+    kept = list((outputs / "cache" / "plots").iterdir())
+    for name in ("per_step_accuracy.png", "loss_curves.png", "accept_len.png"):
+        assert (again_dir / name).read_bytes() == (first_dir / name).read_bytes() == \
+            next(folder / name for folder in kept if folder.is_dir()).read_bytes()
 
 
 def test_a_changed_option_reruns_exactly_the_stages_downstream(first_run, outputs):
@@ -251,3 +257,24 @@ def test_the_whole_pipeline_runs_on_every_drafter_family(family, first_run, outp
     for name in ("probe", "evaluate", "baseline_evaluate"):
         manifest = json.loads((Path(summary["stages"][name]["out"]) / "manifest.json").read_text())
         assert manifest["headline"].startswith(family) and manifest["metrics"]["accept_len"] >= 1.0, name
+
+
+def test_plots_are_drawn_once_per_content_and_again_when_it_changes(first_run, outputs, tmp_path, monkeypatch):
+    """plot() with the cache: the same outputs' plots are copied from cache/plots/ (nothing drawn); another output
+    (a changed key) gets plots of its own."""
+    from pipelines import summary
+
+    stages = first_run["stages"]
+    drawn = []
+    real_draw = summary.draw_plots
+    monkeypatch.setattr(summary, "draw_plots", lambda results, folder: drawn.append(folder) or real_draw(results, folder))
+    cache = tmp_path / "cache"
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+        summary.plot(stages, tmp_path / run, cache)
+    assert len(drawn) == 1
+    assert (tmp_path / "a" / "loss_curves.png").read_bytes() == (tmp_path / "b" / "loss_curves.png").read_bytes()
+    changed = {**stages, "finetune": {**stages["finetune"], "key": "0" * 16}}
+    (tmp_path / "c").mkdir()
+    summary.plot(changed, tmp_path / "c", cache)
+    assert len(drawn) == 2 and len([p for p in (cache / "plots").iterdir() if p.is_dir()]) == 2
