@@ -1,0 +1,126 @@
+"""Benchmark: where a warm rerun's seconds go (every stage a cache hit), part by part, for one or more checkouts.
+
+A warm rerun is the command a user repeats most (checking a sweep, rerunning after a fix, reading the tables
+again). This runs `regraft` on an outputs folder whose stages are all complete: first `--repeat` times plain (the
+wall seconds, median), then once under cProfile, whose main-thread cumulative seconds give the parts. With several
+`--root`s (a worktree of an earlier commit beside this one) the table sets them side by side; the stages' code must
+be the same in each, or the rerun is not warm.
+
+    .venv/bin/python -m pipelines.regraft paths.outputs=/tmp/warm              # once: the cold run
+    .venv/bin/python bench/warm_rerun.py --outputs /tmp/warm                   # this checkout
+    git worktree add /tmp/before COMMIT
+    .venv/bin/python bench/warm_rerun.py --outputs /tmp/warm --root /tmp/before --root .
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (part, file suffix, function): cumulative main-thread seconds of that function (summed over its calls)
+PARTS = (
+    ("import torch", "torch/__init__.py", "<module>"),
+    ("import mlflow", "mlflow/__init__.py", "<module>"),
+    ("tracking set up (store opened)", "pipelines/tracking.py", "for_pipeline"),
+    ("config composed (Hydra)", "hydra/_internal/hydra.py", "compose_config"),
+    ("cache keys", "pipelines/cache.py", "keys_for"),
+    ("DAG: hits checked and recorded", "pipelines/runner.py", "run_dag"),
+    ("waiting for the store at the end", "pipelines/outbox.py", "close"),
+    ("plots", "pipelines/summary.py", "plot"),
+)
+
+
+def command(root: Path, outputs: Path, profile: Path | None) -> list[str]:
+    profiled = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    return [sys.executable, *profiled, "-m", "pipelines.regraft", f"paths.outputs={outputs}"]
+
+
+def rerun(root: Path, outputs: Path, profile: Path | None = None) -> float:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    started = time.perf_counter()
+    done = subprocess.run(command(root, outputs, profile), cwd=root, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"regraft in {root} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return seconds
+
+
+def parts(profile: Path) -> dict[str, tuple[float, int]]:
+    stats = pstats.Stats(str(profile)).stats
+    found = {}
+    for name, suffix, function in PARTS:
+        hits = [value for key, value in stats.items() if key[0].endswith(suffix) and key[2] == function]
+        found[name] = (sum(value[3] for value in hits), sum(value[1] for value in hits))
+    return found
+
+
+def ran_nothing(outputs: Path) -> bool:
+    import json
+
+    summary = sorted((outputs / "runs").glob("*/summary.json"), key=lambda path: path.parent.name)[-1]
+    return all(stage["hit"] for stage in json.loads(summary.read_text())["stages"].values())
+
+
+def measure(root: Path, outputs: Path, repeat: int) -> dict:
+    walls = [rerun(root, outputs) for _ in range(repeat)]
+    if not ran_nothing(outputs):
+        raise SystemExit(f"the rerun in {root} ran stages: its stage code differs from the cold run's")
+    with tempfile.TemporaryDirectory() as folder:
+        profile = Path(folder) / "warm.prof"
+        rerun(root, outputs, profile)
+        return {"wall": statistics.median(walls), "parts": parts(profile)}
+
+
+def commit_of(root: Path) -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                           text=True).stdout.strip()
+    return done.stdout.strip() + ("+" if dirty else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--outputs", type=Path, required=True, help="an outputs folder whose stages are complete")
+    parser.add_argument("--root", type=Path, action="append", help="a checkout to measure (default: this one)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help="write the table into docs/results.md (warm-rerun)")
+    args = parser.parse_args()
+    roots = [root.resolve() for root in (args.root or [ROOT])]
+    results = {root: measure(root, args.outputs, args.repeat) for root in roots}
+    text = table(results, [commit_of(root) for root in roots])
+    print(text)
+    if args.write:
+        sys.path.insert(0, str(ROOT))
+        from bench.figures import write_blocks
+
+        said = (f"Written by `bench/warm_rerun.py --write` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "
+                f"{args.repeat} plain reruns per checkout) on a default run's outputs. Parts are main-thread "
+                "cumulative seconds under cProfile, which slows Python code; they overlap where one part runs inside "
+                "another (the DAG records its hits through tracking).")
+        write_blocks({"warm-rerun": "```\n" + text + "\n```\n\n" + "\n".join(textwrap.wrap(said, 118)) + "\n"})
+
+
+def table(results: dict[Path, dict], names: list[str]) -> str:
+    width = max(len(name) for name, _, _ in PARTS) + 2
+    lines = [f"{'seconds':<{width}}" + "".join(f"{name:>14}" for name in names),
+             f"{'warm rerun, wall (median)':<{width}}" + "".join(f"{r['wall']:>14.2f}" for r in results.values())]
+    for name, _, _ in PARTS:
+        cells = []
+        for result in results.values():
+            seconds, calls = result["parts"][name]
+            cells.append(f"{seconds:.2f}" + (f" ({calls}x)" if calls > 1 else ""))
+        lines.append(f"{name:<{width}}" + "".join(f"{cell:>14}" for cell in cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
