@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (part, file suffix, function): cumulative main-thread seconds of that function (summed over its calls)
 PARTS = (
-    ("import torch", "torch/__init__.py", "<module>"),
-    ("import mlflow", "mlflow/__init__.py", "<module>"),
+    ("import torch", "site-packages/torch/__init__.py", "<module>"),
+    ("import mlflow", "site-packages/mlflow/__init__.py", "<module>"),
     ("tracking set up (store opened)", "pipelines/tracking.py", "for_pipeline"),
     ("config composed (Hydra)", "hydra/_internal/hydra.py", "compose_config"),
     ("cache keys", "pipelines/cache.py", "keys_for"),
