@@ -13,17 +13,26 @@ and regenerate the figure is a lower bound. A device's rate is `tflops` x `utili
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+from stages.common.contract.artifacts import write_json_atomic
 from stages.common.drafter.config import language_model_config
+
+# where counts are kept across commands (plan_pipeline sets paths.outputs/estimates): a plan of unchanged inputs
+# loads no tokenizer and builds no model (each count keyed by its arguments and the size and mtime of the files
+# they name)
+KEPT: Path | None = None
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ID_AND_MASK_BYTES = 9  # every stored position also holds its int64 id and bool loss mask
@@ -44,6 +53,30 @@ class Estimate:
                 "flops": self.flops, "gpu_hours": self.gpu_hours, "notes": self.notes}
 
 
+def kept(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` (of JSON-able arguments and result) memoized in this process and, with KEPT set, on disk."""
+    memo = lru_cache(maxsize=16)(function)
+
+    @wraps(function)
+    def wrapper(*args: Any) -> Any:
+        if KEPT is None:
+            return memo(*args)
+        from pipelines.cache import fingerprint
+
+        files = [fingerprint(arg) for arg in args if isinstance(arg, str) and len(arg) < 4096 and os.path.exists(arg)]
+        key = hashlib.sha256(json.dumps([function.__name__, args, files]).encode()).hexdigest()[:16]
+        path = KEPT / f"{function.__name__}-{key}.json"
+        if path.is_file():
+            return tuple(json.loads(path.read_text()))
+        result = memo(*args)
+        with contextlib.suppress(OSError):  # not kept: the next plan counts again
+            KEPT.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, list(result))
+        return result
+    wrapper.cache_clear = memo.cache_clear  # type: ignore[attr-defined]
+    return wrapper
+
+
 class Unknown(Exception):
     """An input of an estimate that is not at hand; its message says which and why."""
 
@@ -56,7 +89,7 @@ def model_config(folder: str) -> dict[str, Any]:
     return language_model_config(json.loads(path.read_text()))
 
 
-@lru_cache(maxsize=8)
+@kept
 def _target_params(config_text: str) -> tuple[int, int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -91,7 +124,7 @@ def bytes_per_position(target: dict[str, Any], aux_layers: int, dtype: str) -> i
     return (aux_layers + 1) * int(target["hidden_size"]) * BYTES.get(dtype, 4) + ID_AND_MASK_BYTES
 
 
-@lru_cache(maxsize=16)
+@kept
 def _chat_tokens(tokenizer_dir: str, data: str, max_length: int, trust_remote_code: bool, sample_rows: int
                  ) -> tuple[int, int, int]:
     from stages.common.data.chat import batched, encode_chats, load_tokenizer, read_conversations

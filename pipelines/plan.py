@@ -19,6 +19,7 @@ from rich.table import Table
 
 from pipelines.cache import keys_for, output_dir
 from pipelines.dag import Node, build_nodes, resolve, training_data
+from pipelines import estimates
 from pipelines.estimates import Estimate, PlanContext, device_rate, estimate
 from pipelines.launchers import Launcher, SlurmLauncher, make_launcher
 from pipelines.preflight import problems_before_any_work
@@ -141,6 +142,7 @@ def write_atomically(path: Path, text: str) -> None:
 def plan_pipeline(cfg: DictConfig, run_dir: Path, console: Console) -> dict[str, Any]:
     """The plan of this config: checked, its DAG with cache states, resources and estimates; written to
     `run_dir/plan.json` (and the Slurm batch scripts). Returns what plan.json holds."""
+    estimates.KEPT = Path(cfg.paths.outputs) / "estimates"
     nodes = build_nodes(cfg)
     launcher = make_launcher(cfg.launcher, run_dir / "jobs")
     problems = problems_before_any_work(cfg, nodes, launcher)

@@ -128,3 +128,28 @@ def test_a_slurm_plan_writes_batch_scripts_sbatch_accepts(tmp_path, slurm_cluste
         assert checked.returncode == 0 and "to start at" in checked.stderr, (node, checked.stderr)
     assert "#SBATCH --requeue" in Path(scripts["finetune"]).read_text()
     assert not stage_outputs(tmp_path)
+
+
+def test_counts_are_kept_across_commands_until_an_input_changes(target_dir, chats, tmp_path, monkeypatch):
+    """A plan of unchanged inputs counts nothing again: the token count is read from paths.outputs/estimates (no
+    tokenizer loaded); a data file that changed (its size or mtime) is counted anew."""
+    import os
+
+    from pipelines import estimates
+    from stages.common.data import chat
+
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(chats.read_bytes())
+    monkeypatch.setattr(estimates, "KEPT", tmp_path / "estimates")
+    first = estimates.chat_tokens(str(target_dir), str(data), 48, False, 10_000)
+    estimates._chat_tokens.cache_clear()  # the next command: nothing in memory
+
+    def no_tokenizer(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded")
+
+    monkeypatch.setattr(chat, "load_tokenizer", no_tokenizer)
+    assert estimates.chat_tokens(str(target_dir), str(data), 48, False, 10_000) == first
+    estimates._chat_tokens.cache_clear()
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10 ** 9))
+    with pytest.raises(AssertionError, match="the tokenizer was loaded"):
+        estimates.chat_tokens(str(target_dir), str(data), 48, False, 10_000)
