@@ -1,4 +1,5 @@
-"""Benchmark: where a warm rerun's seconds go (every stage a cache hit), part by part, for one or more checkouts.
+"""Benchmark: where a warm rerun's seconds go (every stage a cache hit), part by part, for one or more checkouts;
+and how long the other commands a user repeats take (`--cfg job`, a plan, a refused bad input).
 
 A warm rerun is the command a user repeats most (checking a sweep, rerunning after a fix, reading the tables
 again). This runs `regraft` on an outputs folder whose stages are all complete: first `--repeat` times plain (the
@@ -39,18 +40,24 @@ PARTS = (
 )
 
 
-def command(root: Path, outputs: Path, profile: Path | None) -> list[str]:
+# the other commands a user repeats, timed whole (median of --repeat): (row, overrides, the exit code expected)
+QUICK = (("regraft --cfg job", ["--cfg", "job"], 0), ("regraft pipeline.plan=true", ["pipeline.plan=true"], 0),
+         ("a refused bad input (finetune.lr=-1)", ["finetune.lr=-1"], 1))
+
+
+def command(root: Path, outputs: Path, profile: Path | None, extra: list[str] = ()) -> list[str]:
     profiled = ["-m", "cProfile", "-o", str(profile)] if profile else []
-    return [sys.executable, *profiled, "-m", "pipelines.regraft", f"paths.outputs={outputs}"]
+    return [sys.executable, *profiled, "-m", "pipelines.regraft", f"paths.outputs={outputs}", *extra]
 
 
-def rerun(root: Path, outputs: Path, profile: Path | None = None) -> float:
+def rerun(root: Path, outputs: Path, profile: Path | None = None, extra: list[str] = (), expect: int = 0) -> float:
     env = {**os.environ, "PYTHONPATH": str(root)}
     started = time.perf_counter()
-    done = subprocess.run(command(root, outputs, profile), cwd=root, env=env, capture_output=True, text=True)
+    done = subprocess.run(command(root, outputs, profile, extra), cwd=root, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"regraft in {root} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    if done.returncode != expect:
+        raise SystemExit(f"regraft {' '.join(extra)} in {root} exited {done.returncode}:\n{done.stdout[-2000:]}"
+                         f"{done.stderr[-2000:]}")
     return seconds
 
 
@@ -74,10 +81,12 @@ def measure(root: Path, outputs: Path, repeat: int) -> dict:
     walls = [rerun(root, outputs) for _ in range(repeat)]
     if not ran_nothing(outputs):
         raise SystemExit(f"the rerun in {root} ran stages: its stage code differs from the cold run's")
+    quick = {name: statistics.median(rerun(root, outputs, extra=extra, expect=code) for _ in range(repeat))
+             for name, extra, code in QUICK}
     with tempfile.TemporaryDirectory() as folder:
         profile = Path(folder) / "warm.prof"
         rerun(root, outputs, profile)
-        return {"wall": statistics.median(walls), "parts": parts(profile)}
+        return {"wall": statistics.median(walls), "parts": parts(profile), "quick": quick}
 
 
 def commit_of(root: Path) -> str:
@@ -110,7 +119,7 @@ def main() -> None:
 
 
 def table(results: dict[Path, dict], names: list[str]) -> str:
-    width = max(len(name) for name, _, _ in PARTS) + 2
+    width = max(len(name) for name, _, _ in PARTS + QUICK) + 18
     lines = [f"{'seconds':<{width}}" + "".join(f"{name:>14}" for name in names),
              f"{'warm rerun, wall (median)':<{width}}" + "".join(f"{r['wall']:>14.2f}" for r in results.values())]
     for name, _, _ in PARTS:
@@ -119,6 +128,10 @@ def table(results: dict[Path, dict], names: list[str]) -> str:
             seconds, calls = result["parts"][name]
             cells.append(f"{seconds:.2f}" + (f" ({calls}x)" if calls > 1 else ""))
         lines.append(f"{name:<{width}}" + "".join(f"{cell:>14}" for cell in cells))
+    lines.append("")
+    for name, _, _ in QUICK:
+        lines.append(f"{name + ', wall (median)':<{width}}" + "".join(f"{r['quick'][name]:>14.2f}"
+                                                                      for r in results.values()))
     return "\n".join(lines)
 
 
