@@ -453,17 +453,21 @@ def language_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-def target_config(target_dir: str | Path) -> dict[str, Any]:
-    """A target folder's config.json, its language-model part for multimodal ones (Kimi-K2.5's text_config)."""
+def raw_target_config(target_dir: str | Path) -> dict[str, Any]:
+    """A target folder's config.json as written (a multimodal wrapper's whole)."""
     config = Path(target_dir) / "config.json"
     if not config.exists():
         raise RegraftError(target_dir, "no config.json: not a target model folder",
                            "point at the folder save_pretrained wrote for the target")
     try:
-        raw = json.loads(config.read_text())
+        return json.loads(config.read_text())
     except json.JSONDecodeError as exc:
         raise RegraftError(config, f"invalid JSON ({exc})", "fix it, or save the target again") from exc
-    return language_model_config(raw)
+
+
+def target_config(target_dir: str | Path) -> dict[str, Any]:
+    """A target folder's config.json, its language-model part for multimodal ones (Kimi-K2.5's text_config)."""
+    return language_model_config(raw_target_config(target_dir))
 
 
 def in_stage_output(path: Path) -> bool:

@@ -10,14 +10,13 @@ logits at the draft vocab's ids. Both come from the final hidden state times the
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from stages.common.drafter.config import OUTPUT_OF_LAYER, convert_aux_layer_ids, target_config
+from stages.common.drafter.config import OUTPUT_OF_LAYER, convert_aux_layer_ids, raw_target_config, target_config
 from stages.common.contract.errors import RegraftError
 
 
@@ -110,10 +109,7 @@ class TargetModel:
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-        config_file = Path(path) / "config.json"
-        if not config_file.exists():
-            raise RegraftError(path, "no config.json: not a target model folder", "point at a save_pretrained folder")
-        raw = json.loads(config_file.read_text())
+        raw = raw_target_config(path)
         # A multimodal wrapper (Kimi-K2.5) is no causal LM to transformers: it loads as image-text-to-text, and
         # text-only input runs its language model alone.
         causal = raw.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or \

@@ -93,13 +93,12 @@ def gpu_visible() -> bool:
 
 def multimodal_kimi(target: str | None) -> bool:
     """A target folder in Kimi-K2.5's layout (its config a multimodal wrapper of model_type kimi_k25)."""
-    config = Path(str(target)) / "config.json" if target else None
-    if config is None or not config.is_file():
-        return False
+    from stages.common.drafter.config import raw_target_config
+
     try:
-        return json.loads(config.read_text()).get("model_type") == "kimi_k25"
-    except (OSError, ValueError):
-        return False  # the target's own reader names a broken config.json
+        return bool(target) and raw_target_config(target).get("model_type") == "kimi_k25"
+    except RegraftError:
+        return False  # not there yet (a stage builds it), or broken: the target's own readers say so
 
 
 def check_engine_here(cfg: VllmConfig | DictConfig, where: str, target: str | None,
