@@ -48,8 +48,8 @@ MACHINE = {
                         "MLA_ON_VLLM): the probes run on regraft's hf path, which holds every answer token for "
                         "token against the target's plain greedy",
     "probe.dtype=float32": "in bf16 the hf path's verify forward (several positions) rounds unlike its decode forward "
-                           "(one), and greedy paths part where two tokens nearly tie (this rehearsal found it at token "
-                           "24 of a turn); float32 holds them token for token",
+                           "(one), and greedy paths part where two tokens nearly tie (this rehearsal found it); "
+                           "float32 holds them token for token",
     "features.vllm_connector=cpu": "vLLM's stock hidden-states connector pins memory, which needs a GPU",
 }
 SERVER_TOKENS = 12  # greedy tokens per prompt in the server-vs-transformers check
