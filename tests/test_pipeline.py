@@ -206,7 +206,9 @@ def test_sigterm_cancels_the_running_stages_and_marks_the_runs_killed(tmp_path):
 
     # a warm interpreter another test of this session started (this pytest process's own) is not this run's
     others = {line for line in processes() if "pipelines.warm" in line}
-    command = [sys.executable, "-m", "pipelines.regraft", f"paths.outputs={tmp_path}", *TINY]
+    # a world that trains long: the tiny one can finish within the 3 s a cancelled stage is given to end, and is then
+    # complete (seen in full-suite runs on idle cores)
+    command = [sys.executable, "-m", "pipelines.regraft", f"paths.outputs={tmp_path}", *TINY, "world.steps_a=5000"]
     run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     while not any("dispatched" in line for line in lines):
