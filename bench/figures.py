@@ -116,14 +116,15 @@ def on_vllm(summary: dict, out: Path | None) -> tuple[dict, str] | None:
     return metrics, f"vllm {manifest.get('engine_versions', {}).get('vllm', '?')}"
 
 
-def code_commit() -> str:
-    """HEAD, `-dirty` when a tracked file other than README.md and docs/ differs from it: the figure blocks the bench
-    scripts write into those pages do not make the code that computed them another commit."""
+def code_commit(root: Path = ROOT) -> str:
+    """HEAD of the checkout at `root`, `-dirty` when a tracked file other than README.md and docs/ differs from it:
+    the figure blocks the bench scripts write into those pages do not make the code that computed them another
+    commit."""
     import subprocess
 
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
     changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!README.md",
-                              ":!docs"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+                              ":!docs"], cwd=root, capture_output=True, text=True).stdout.strip()
     return (head or "unknown") + ("-dirty" if changed else "")
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.figures import code_commit  # noqa: E402
+
 WORLD = ("max_docs=240", "eval_docs=8", "tokenizer_vocab_size=1024", "hidden_size=32", "num_layers=2", "num_heads=2",
          "seq_len=128", "batch_size=8", "steps_a=30", "steps_b=20", "regen_prompts=40", "max_new_tokens=24",
          "gen_batch_size=16", "probe_prompts=6", "probe_multi_turn=2")
@@ -173,13 +175,6 @@ def regraft(rehearsal: Rehearsal, url: str) -> tuple[subprocess.CompletedProcess
     return done, max(runs, key=lambda run: run.stat().st_mtime).parent if runs else None
 
 
-def head_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    return done.stdout.strip() + (" with uncommitted changes" if dirty else "")
-
-
 def run_rehearsal(work: Path) -> dict:
     """Build, serve, check the server, run the experiment; everything the table and the test read."""
     rehearsal = Rehearsal(work)
@@ -195,7 +190,7 @@ def run_rehearsal(work: Path) -> dict:
     summary = json.loads((run / "summary.json").read_text()) if run else None
     result = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr, "run": str(run),
               "summary": summary, "agreement": agreement, "seconds": seconds, "overrides": rehearsal.overrides("URL"),
-              "date": time.strftime("%Y-%m-%d"), "commit": head_commit()}
+              "date": time.strftime("%Y-%m-%d"), "commit": code_commit()}
     (work / "rehearsal.json").write_text(json.dumps(result, indent=1))
     return result
 

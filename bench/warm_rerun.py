@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.figures import code_commit  # noqa: E402
 
 # (part, file suffix, function): cumulative main-thread seconds of that function (summed over its calls)
 PARTS = (
@@ -89,11 +92,9 @@ def measure(root: Path, outputs: Path, repeat: int) -> dict:
         return {"wall": statistics.median(walls), "parts": parts(profile), "quick": quick}
 
 
-def commit_of(root: Path) -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True).stdout.strip()
-    return done.stdout.strip() + ("+" if dirty else "")
+def short(commit: str) -> str:
+    """`code_commit`'s answer in a column: 8 hex digits, and -dirty where it is."""
+    return commit[:8] + ("-dirty" if commit.endswith("-dirty") else "")
 
 
 def main() -> None:
@@ -105,10 +106,9 @@ def main() -> None:
     args = parser.parse_args()
     roots = [root.resolve() for root in (args.root or [ROOT])]
     results = {root: measure(root, args.outputs, args.repeat) for root in roots}
-    text = table(results, [commit_of(root) for root in roots])
+    text = table(results, [short(code_commit(root)) for root in roots])
     print(text)
     if args.write:
-        sys.path.insert(0, str(ROOT))
         from bench.figures import write_blocks
 
         said = (f"Written by `bench/warm_rerun.py --write` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "

@@ -6,6 +6,7 @@ A sweep gets one table and one `summary.json` over all its members (`SweepSummar
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -209,8 +210,6 @@ PLOTTED = (PHASE1.train, BASELINE.train, PROBE, PHASE1.evaluate, BASELINE.evalua
 def plots_key(results: dict[str, dict]) -> str:
     """What the plots show, as a content address: the cache keys of the outputs they read (an output's key fixes
     its metrics and curves) and this module, which draws them."""
-    import hashlib
-
     read = {node: results[node]["key"] for node in PLOTTED if node in results}
     payload = json.dumps(read, sort_keys=True).encode() + Path(__file__).read_bytes()
     return hashlib.sha256(payload).hexdigest()[:16]
