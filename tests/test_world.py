@@ -27,7 +27,7 @@ DRAFT_VOCAB = 128  # the tiny source drafter's (conf/debug/tiny.yaml)
 # docstrings) and the versions of torch/MKL, transformers and tokenizers. When it changes on purpose, paste the new
 # one from `python -c "from stages import world; from stages.common.contract.stage import compose_stage;
 # print(world.run(compose_stage('world', ['out=/tmp/tiny'], option='tiny')).out)"` (then /tmp/tiny/manifest.json).
-TINY_WORLD_DIGEST = "916566fb91ce24e55d2bd054d9a7b4da5dad1a0f2bbc8532efc829c5809e99af"
+TINY_WORLD_DIGEST = "b8384172c576d16ccdcd2022fd8d28bd0874450527335e6385ef15193d345554"
 
 
 def build(out: Path, *extra: str):
@@ -129,7 +129,7 @@ def test_probe_prompts_are_held_out_user_turns(built, cfg):
 
 
 def test_the_two_eval_sets_are_held_out_and_differ_in_kind(built, cfg):
-    from stages.world import CODE_MARKS
+    from stages.world.corpus import CODE_MARKS
 
     held_out = {m["content"] for path in ("data_a.jsonl", "data_b.jsonl") for chat in rows(built / path) for m in chat}
     sets = {name: rows(built / f"prompts_b_{name}.jsonl") for name in ("prose", "code")}

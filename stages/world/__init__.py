@@ -116,18 +116,11 @@ def split_docs(cfg: DictConfig) -> Domains:
                    eval_b=b[: cfg.eval_docs], probes=b[cfg.eval_docs: held])
 
 
-CODE_MARKS = "()[]{}=_:,'\"<>*"
-
-
-def heavy_in_code(doc: Docstring) -> bool:
-    """A docstring of doctests or dense with code punctuation (more than 5% of its characters: the top quarter)."""
-    return ">>>" in doc.text or sum(char in CODE_MARKS for char in doc.text) > 0.05 * len(doc.text)
-
-
 def eval_sets(docs: list[Docstring], count: int, multi_turn: int) -> dict[str, list[dict]]:
-    """The held-out domain-B docstrings as two eval sets that differ in kind: prose and code-heavy answers."""
-    code = [doc for doc in docs if heavy_in_code(doc)]
-    prose = [doc for doc in docs if not heavy_in_code(doc)]
+    """The held-out domain-B docstrings as two eval sets that differ in kind: prose questions, and code questions
+    (about docstrings heavy in code), which a target trained on the world's chats answers with code."""
+    code = [doc for doc in docs if doc.heavy_in_code]
+    prose = [doc for doc in docs if not doc.heavy_in_code]
     if not code or len(prose) < count + multi_turn:
         raise RegraftError(None, f"{len(prose)} prose and {len(code)} code-heavy held-out docstrings are too few for "
                            f"{count} probe prompts per set", "raise max_docs or eval_docs, or lower probe_prompts")

@@ -2,7 +2,10 @@
 
 Each docstring becomes a conversation (the user asks about a function or class, the assistant answers with its
 docstring). Modules split into two domains by first letter (a-m: A, n-z: B), so token frequencies differ the way
-they do between an old and a new target's training data.
+they do between an old and a new target's training data. A docstring heavy in code (doctests, calls) is asked for
+in a code question ("Show `x` in code."), a prose one in a prose question, so a target trained on the chats
+learns to answer a code question with code: the eval sets then differ in what the target writes, as a real
+model's workloads do (chat and code), not only in what the reference answers would have been.
 """
 from __future__ import annotations
 
@@ -14,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-QUESTIONS = ("What does `{name}` do?", "Explain `{name}` from the {module} module.", "How do I use `{name}`?")
+PROSE_QUESTIONS = ("What does `{name}` do?", "Explain `{name}` from the {module} module.", "How do I use `{name}`?")
+CODE_QUESTIONS = ("Show `{name}` in code.", "Give code examples of `{name}` from the {module} module.",
+                  "Write the doctests of `{name}`.")
+CODE_MARKS = "()[]{}=_:,'\"<>*"
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,11 @@ class Docstring:
     @property
     def domain(self) -> str:
         return "a" if self.module[:1].lower() <= "m" else "b"
+
+    @property
+    def heavy_in_code(self) -> bool:
+        """Doctests, or dense with code punctuation (more than 5% of its characters: the top quarter)."""
+        return ">>>" in self.text or sum(char in CODE_MARKS for char in self.text) > 0.05 * len(self.text)
 
 
 def stdlib_docstrings(min_chars: int = 40, max_chars: int = 1500) -> Iterator[Docstring]:
@@ -44,7 +55,8 @@ def stdlib_docstrings(min_chars: int = 40, max_chars: int = 1500) -> Iterator[Do
 
 
 def as_conversation(doc: Docstring, index: int) -> dict:
-    question = QUESTIONS[index % len(QUESTIONS)].format(name=f"{doc.module}.{doc.name}", module=doc.module)
+    questions = CODE_QUESTIONS if doc.heavy_in_code else PROSE_QUESTIONS
+    question = questions[index % len(questions)].format(name=f"{doc.module}.{doc.name}", module=doc.module)
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": doc.text}]}
 
 
