@@ -47,16 +47,21 @@ class RankedStage(Protocol):
 
 
 def stage_module(stage: str) -> ModuleType:
-    return importlib.import_module(f"stages.{stage}")  # importing registers the schema
+    return importlib.import_module(f"stages.{stage}")
+
+
+def schema_module(stage: str) -> ModuleType:
+    """The stage's config and the checks it asks of a machine (stages/schemas/): no torch, none of its code."""
+    return importlib.import_module(f"stages.schemas.{stage}")
 
 
 def stage_names() -> list[str]:
-    """Every stage: the modules and packages under stages/ but its library (common)."""
+    """Every stage: the modules and packages under stages/ but its library (common) and their configs (schemas)."""
     import pkgutil
 
     import stages
 
-    return sorted(module.name for module in pkgutil.iter_modules(stages.__path__) if module.name != "common")
+    return sorted(module.name for module in pkgutil.iter_modules(stages.__path__) if module.name not in ("common", "schemas"))
 
 
 @dataclass
@@ -74,6 +79,7 @@ class StageOutcome:
 def stage_config(stage: str, config: dict[str, Any]):
     """The stage's schema merged with the config, so a job re-checks every key and type it was handed."""
     module = stage_module(stage)
+    schema_module(stage)  # registers it
     schema = ConfigStore.instance().load(f"schema/{stage}.yaml").node
     return module, OmegaConf.merge(schema, config)
 

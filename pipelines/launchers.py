@@ -22,8 +22,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.dag import Node, base_name
-from pipelines.jobs import (RankedStage, resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage,
-                           stage_module, stage_names)
+from pipelines.jobs import (resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage, schema_module,
+                           stage_names)
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import SCHEMAS, check_config
 
@@ -95,18 +95,17 @@ class Launcher:
         return f"{paths[-1]}.{key}"
 
     def check(self, node: Node, config: dict[str, Any]) -> None:
-        """Before any work: whether this launcher can run the node as its config asks (RegraftError if not); on
-        this machine, a stage's ranks are what its spawn mode starts, and what the stage's own hook asks
-        (`check_before_work(cfg, stage)`: an engine that must be installed, say). The node's config is checked
+        """Before any work: whether this launcher can run the node as its config asks (RegraftError if not). The
+        stage's schema module (stages/schemas/) holds its hooks: on this machine, `check_ranks` (the ranks its spawn
+        mode starts) and `check_before_work` (an engine that must be installed, say). The node's config is checked
         against its stage's schema too: the DAG sets some of it (an online fine-tune's engine, say), so the
         pipeline config's check cannot see it."""
-        module = stage_module(node.stage)
+        hooks = schema_module(node.stage)
         if node.stage in SCHEMAS:
             check_config(OmegaConf.create(config), SCHEMAS[node.stage], node.stage)
-        if isinstance(module, RankedStage):
-            module.check_ranks(config, node.stage)
-        if hasattr(module, "check_before_work"):
-            module.check_before_work(config, node.stage)
+        for hook in ("check_ranks", "check_before_work"):
+            if hasattr(hooks, hook):
+                getattr(hooks, hook)(config, node.stage)
 
     def prepare(self, nodes: list[Node]) -> None:
         """Called once before dispatching, with the nodes that will (probably) run."""

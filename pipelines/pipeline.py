@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from pipelines.runner import NodeResult, pending, run_dag
 from pipelines.summary import finish_run
 from pipelines.run_names import hydra_invocation
 from pipelines.tracking import Tracker
-from stages.common.contract.runtime import same_on_every_cpu
+from stages.common.contract.runtime import compute_as_every_cpu
 
 
 @dataclass
@@ -52,10 +53,10 @@ def limit_threads(threads: int | None) -> None:
     """
     if not threads:
         return
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    import torch
-
-    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # torch reads it when first imported
+    torch = sys.modules.get("torch")
+    if torch is not None:  # imported already (a test session, say): set it now; else none is loaded for a warm rerun
+        torch.set_num_threads(threads)
 
 
 def get_ready(launcher: Launcher, cfg: DictConfig, nodes: list[Node], keys: dict[str, str]) -> None:
@@ -85,7 +86,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     """
     start, console = time.perf_counter(), console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
-    same_on_every_cpu()  # every stage computes as on any x86 CPU (contract/runtime.py); its jobs inherit it
+    compute_as_every_cpu()  # every stage computes as on any x86 CPU (contract/runtime.py); its jobs inherit it
     nodes = build_nodes(cfg)
     launcher = make_launcher(cfg.launcher, run_dir / "jobs")
     check_before_any_work(cfg, nodes, launcher)

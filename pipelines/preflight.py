@@ -26,8 +26,6 @@ from omegaconf import DictConfig, OmegaConf
 from pipelines.dag import REFERENCE, Node
 from pipelines.launchers import Launcher
 from pipelines.schema import RegraftConfig
-from stages.common.data.chat import read_conversations
-from stages.common.drafter.checkpoint import DrafterCheckpoint
 from stages.common.engines.credentials import refuse_secrets
 from stages.common.drafter.config import check_drafter_fits_target, target_config
 from stages.common.contract.errors import RegraftError, check_room, disk_full
@@ -97,6 +95,8 @@ def check_chat_file(path: Path, key: str) -> None:
         raise RegraftError(path, f"{key} is a folder", f"point {key}= at a JSONL file of chats")
     if not any(line.strip() for line in path.open(errors="replace")):
         raise RegraftError(path, "is empty", f"point {key}= at a JSONL file with one {{\"messages\": [...]}} per line")
+    from stages.common.data.chat import read_conversations  # torch: only for data given by path
+
     next(read_conversations(path))
 
 
@@ -125,6 +125,8 @@ def check_models(cfg: DictConfig) -> None:
                            f"exceeds the built-in world's vocab ({cfg.world.tokenizer_vocab_size} ids)",
                            f"set it to at most {cfg.world.tokenizer_vocab_size}")
     if given(cfg.source.path):
+        from stages.common.drafter.checkpoint import DrafterCheckpoint  # torch: only for a drafter given by path
+
         drafter = DrafterCheckpoint.open(cfg.source.path)  # config, tensor names, shapes and dtypes
         if facts is not None:
             check_drafter_fits_target(drafter.config, facts, cfg.source.path, cfg.target.path,

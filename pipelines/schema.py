@@ -1,7 +1,8 @@
 """Typed schemas of the pipeline-level config: the inputs (target, source, data), the launcher, tracking, and the
 root config itself (conf/config.yaml pulls `/schema/regraft`), so a typo anywhere fails at composition.
 
-The stages register their own schemas (stages/<stage>); their defaults live there, once.
+The stages' own schemas are in stages/schemas/ (one module per stage, none importing torch or the stage's
+code); their defaults live there, once.
 """
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import CHECKS, register_schema, setting
 from stages.common.data.chat_prompts import EvalSet, check_eval_sets
 from stages.common.drafter.config import check_family
-from stages.compare import CompareConfig
-from stages.diagnose import DiagnoseConfig
-from stages.features import FeaturesConfig
-from stages.finetune import FinetuneConfig, Init
-from stages.probe import ProbeConfig
-from stages.regenerate import RegenerateConfig
-from stages.remap import RemapConfig
-from stages.vocab_map import VocabMapConfig
-from stages.world import WorldConfig
+from stages.schemas.compare import CompareConfig
+from stages.schemas.diagnose import DiagnoseConfig
+from stages.schemas.features import FeaturesConfig
+from stages.schemas.finetune import FinetuneConfig, Init
+from stages.schemas.probe import ProbeConfig
+from stages.schemas.regenerate import RegenerateConfig
+from stages.schemas.remap import RemapConfig
+from stages.schemas.vocab_map import VocabMapConfig
+from stages.schemas.world import WorldConfig
 
 
 @dataclass

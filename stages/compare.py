@@ -9,25 +9,14 @@ same target id, the first diverging position, and (when B was counted) the share
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 
 from stages.common.contract.artifacts import staged_output
-from stages.common.contract.stage import StageResult, register_schema, stage_main
+from stages.common.contract.stage import StageResult, stage_main
 from stages.common.drafter.vocab import compare_vocab_maps, load_vocab_map
-
-
-@dataclass
-class CompareConfig:
-    a: str = MISSING  # e.g. the source drafter (its own map)
-    b: str = MISSING  # e.g. the map built for the new target
-    out: Optional[str] = None  # where to write compare.json; None: print only
-
-
-register_schema("compare", CompareConfig)
 
 
 def run(cfg: DictConfig) -> StageResult:

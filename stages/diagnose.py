@@ -21,47 +21,25 @@ Without target A it says which numbers it cannot give (drift, realign, gap) and 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 
 from stages.common.drafter import drift
 from stages.common.contract.artifacts import read_manifest, staged_output
 from stages.common.data.chat import load_tokenizer, tokenized_chats
 from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.common.contract.errors import RegraftError
-from stages.common.contract.stage import StageResult, register_schema, setting, stage_main
+from stages.common.contract.stage import StageResult, stage_main
 from stages.common.drafter.target import TargetFeatures, TargetModel
-from stages.common.drafter.ttt import LossMask, draft_vocab_ids, ttt_forward
+from stages.common.drafter.ttt import draft_vocab_ids, ttt_forward
 from stages.common.drafter.verifier import Verifier
 from stages.common.drafter.vocab import VocabMap, load_vocab_map
 
 INITS = ("as_is", "remap", "realign", "scratch")
-
-
-@dataclass
-class DiagnoseConfig:
-    drafter: str = MISSING  # the remapped source drafter (a remap output), or any drafter on the training map
-    target: str = MISSING  # the new target (B)
-    target_a: Optional[str] = None  # the target the source drafter was trained for; None: no drift numbers
-    data: str = MISSING  # B-domain chats (the training data)
-    vocab_map: str = MISSING  # the training map
-    out: str = MISSING
-    max_rows: int = setting(64, at_least=2)  # conversations measured (half fit the maps, half are held out)
-    max_length: int = setting(256, at_least=4)
-    fit_share: float = setting(0.5, above=0, below=1)  # share of the rows the ridge maps are fitted on
-    ridge: float = setting(drift.RIDGE, at_least=0)  # x the mean eigenvalue of B's Gram matrix
-    realign_embeddings: bool = True  # also fold a map of the token embeddings into the drafter's first layer
-    ttt_steps: int = setting(3, at_least=1)
-    loss_mask: LossMask = LossMask.drafted
-    trust_remote_code: bool = False
-    seed: int = 0
-
-
-register_schema("diagnose", DiagnoseConfig)
 
 
 def source_drafter(remapped: str, training_map: VocabMap) -> Optional[Eagle3Drafter]:

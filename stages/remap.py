@@ -16,47 +16,21 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, replace
-from enum import Enum
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 import torch
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 
 from stages.common.contract.artifacts import staged_output
 from stages.common.drafter.checkpoint import DrafterCheckpoint, write_drafter
-from stages.common.contract.stage import StageResult, register_schema, stage_main
+from stages.common.contract.stage import StageResult, stage_main
 from stages.common.contract.errors import RegraftError
 from stages.common.drafter.tensor_io import ROWS_PER_CHUNK, TensorSpec, spec_of
 from stages.common.drafter.verifier import Verifier
 from stages.common.drafter.vocab import RemapPlan, VocabMap, compare_vocab_maps, load_vocab_map
+from stages.schemas.remap import Fallback, OutputLayout
 
-class Fallback(str, Enum):
-    verifier = "verifier"
-    random = "random"
-    mean = "mean"
-
-
-class OutputLayout(str, Enum):
-    source = "source"  # keep the source drafter's layout
-    sglang = "sglang"
-    speculators = "speculators"
-
-
-@dataclass
-class RemapConfig:
-    drafter: str = MISSING  # source drafter folder, either layout
-    vocab_map: str = MISSING  # destination map: vocab_map folder, SpecForge .pt, or a drafter checkpoint
-    verifier: Optional[str] = None  # target model folder; needed by fallback=verifier and verifier_lm_head
-    verifier_name: Optional[str] = None  # the hub id the verifier is deployed by (None: the folder as given)
-    out: str = MISSING
-    fallback: Fallback = Fallback.verifier  # rows the source vocab lacks: verifier | random | mean
-    match_source_scale: bool = False  # rescale verifier rows to the mean row norm of the source lm_head
-    layout: OutputLayout = OutputLayout.source  # output layout: source | sglang | speculators
-    seed: int = 0  # for fallback=random
-
-
-register_schema("remap", RemapConfig)
 
 
 @dataclass(frozen=True)

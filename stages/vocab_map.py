@@ -15,44 +15,24 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import numpy as np
 import torch
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from stages.common.contract.artifacts import staged_output
-from stages.common.contract.stage import StageResult, register_schema, setting, stage_main
+from stages.common.contract.stage import StageResult, stage_main
 from stages.common.data.chat import batched, encode_chats, load_tokenizer, read_conversations
 from stages.common.data.parts import part_manifests, part_slice
 from stages.common.contract.errors import RegraftError
 from stages.common.drafter.config import language_model_config
 from stages.common.drafter.tensor_io import spec_of, write_safetensors
 from stages.common.drafter.vocab import VOCAB_MAP_FILE, build_vocab_map
-
-
-@dataclass
-class VocabMapConfig:
-    tokenizer: str = MISSING  # HF tokenizer folder of the target, with a chat template
-    data: str = MISSING  # chat JSONL, one {"messages": [...]} per line
-    out: str = MISSING
-    draft_vocab_size: int = setting(32000, at_least=1)  # the field's default (Llama-3 and Kimi drafters); the toy world uses 1024
-    vocab_size: Optional[int] = setting(None, at_least=1)  # target vocab; None: the tokenizer folder's config.json, else the tokenizer
-    max_length: Optional[int] = setting(None, at_least=1)  # truncate each conversation to this many tokens, as training will
-    batch_size: int = setting(256, at_least=1)  # conversations tokenized per batch
-    trust_remote_code: bool = False  # run the tokenizer code in its folder (Kimi's tiktoken tokenizer needs it)
-    # across nodes: the pipeline splits the chats into this many contiguous parts, each counted by a job of its own
-    # (`part`), and a join (`part_outputs`) sums their counts and builds the map: the same map as counting at once
-    parts: int = setting(1, at_least=1)
-    part: Optional[int] = setting(None, at_least=0)  # this job's part of `parts`; None: all the chats
-    part_outputs: list[str] = field(default_factory=list)  # join: complete part outputs whose token_counts are summed
-
-
-register_schema("vocab_map", VocabMapConfig)
 
 
 @dataclass

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from pipelines import cache
 
 STAGES = sorted(p.stem for p in (cache.ROOT / "stages").iterdir()
-                if p.name not in ("common", "__init__.py", "__pycache__") and (p.suffix == ".py" or p.is_dir()))
+                if p.name not in ("common", "schemas", "__init__.py", "__pycache__") and (p.suffix == ".py" or p.is_dir()))
 COMMON = sorted(".".join(p.relative_to(cache.ROOT).with_suffix("").parts)
                 for p in (cache.ROOT / "stages" / "common").rglob("*.py") if p.stem != "__init__")
 
@@ -22,8 +24,20 @@ def test_the_stages_are_the_ones_the_pipeline_runs():
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_stage_runs_no_other_stages_code(stage):
     others = {name for name in cache.project_modules(f"stages.{stage}")
-              if name != "stages" and name.split(".")[1] not in ("common", stage)}
+              if name not in ("stages", "stages.schemas", f"stages.schemas.{stage}")
+              and name.split(".")[1] not in ("common", stage)}
     assert not others, f"stages.{stage} imports {sorted(others)}: move what they share into stages/common"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_schema_imports_only_the_library_and_never_torch(stage):
+    """The pipeline composes, checks and plans from the schemas alone: none pulls in a stage's code or torch."""
+    module = f"stages.schemas.{stage}"
+    outside = {name for name in cache.project_modules(module)
+               if name not in ("stages", "stages.schemas", module) and not name.startswith("stages.common")}
+    assert not outside, f"{module} imports {sorted(outside)}"
+    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=cache.ROOT).returncode == 0, f"{module} imports torch"
 
 
 @pytest.mark.parametrize("module", COMMON)

@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["debug=tiny"]
 NODES = ["world", "source_map", "source_drafter", "probe", "vocab_map", "compare", "remap", "diagnose", "features",
          "finetune", "evaluate", "baseline_finetune", "baseline_evaluate"]
+NODE_STAGES = ("world", "vocab_map", "finetune", "probe", "compare", "remap", "diagnose", "features")
 
 pytestmark = pytest.mark.slow
 
 
-def regraft(outputs: Path, *overrides: str, multirun: bool = False) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "pipelines.regraft", *(["-m"] if multirun else []), f"paths.outputs={outputs}",
+def regraft(outputs: Path, *overrides: str, multirun: bool = False, python: tuple[str, ...] = ()
+            ) -> subprocess.CompletedProcess:
+    command = [sys.executable, *python, "-m", "pipelines.regraft", *(["-m"] if multirun else []), f"paths.outputs={outputs}",
                *TINY, *overrides]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
@@ -119,8 +121,11 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
 
 
 def test_a_second_run_runs_nothing_yet_tracks_every_stage(first_run, outputs):
-    done = regraft(outputs)
+    done = regraft(outputs, python=("-X", "importtime"))
     assert done.returncode == 0, done.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "omegaconf" in imported and "torch" not in imported  # no stage runs here, so neither torch nor stage code
+    assert not {name for name in imported if name.startswith("stages.") and name.split(".")[1] in NODE_STAGES}
     again = last_summary(outputs)
     assert ran(again) == set()
     assert again["numbers"] == first_run["numbers"]

@@ -35,9 +35,9 @@ class RegraftLauncher(Launcher):
         from pipelines.regraft import report_and_exit
         from pipelines.runner import Interrupts
         from pipelines.sweep import plan_member, run_sweep
-        from stages.common.contract.runtime import same_on_every_cpu
+        from stages.common.contract.runtime import compute_as_every_cpu
 
-        same_on_every_cpu()  # before planning checks anything: the members' jobs compute as a single run's do
+        compute_as_every_cpu()  # before planning checks anything: the members' jobs compute as a single run's do
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))

@@ -18,138 +18,31 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 import torch
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from stages.common.contract.artifacts import read_manifest, staged_output
 from stages.common.data.chat import load_tokenizer, tokenized_chats
 from stages.common.drafter.checkpoint import DrafterCheckpoint
-from stages.common.drafter.config import (OUTPUT_OF_LAYER, DrafterConfig, check_drafter_fits_target, check_family,
+from stages.common.drafter.config import (OUTPUT_OF_LAYER, DrafterConfig, check_drafter_fits_target,
                                           convert_aux_layer_ids, drafter_config_for, target_config)
 from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.common.contract.errors import RegraftError
 from stages.common.data.feature_shards import Rows, TensorRows, open_features
 from stages.common.contract.runtime import free_port
-from stages.common.engines.vllm_engine import check_engine
-from stages.common.engines.vllm_states import EngineFeaturesConfig, EngineRows, EngineStates, states_server
-from stages.common.contract.stage import StageResult, register_schema, setting
+from stages.common.engines.vllm_states import EngineRows, EngineStates, states_server
+from stages.common.contract.stage import StageResult
 from stages.common.drafter.target import TargetHead, TargetModel
-from stages.common.drafter.ttt import LossMask
 from stages.common.drafter.verifier import Verifier
 from stages.common.drafter.vocab import VocabMap, load_vocab_map
 from stages.finetune.guard import preflight
 from stages.finetune.loop import MetricsLog, Preempted, Progress, micro_batches, split, train
+from stages.schemas.finetune import FinetuneConfig, Init, Spawn, check_ranks
 
 __all__ = ["FinetuneConfig", "Preempted", "check_ranks", "init_distributed", "run", "run_rank"]  # what pipelines/jobs.py calls
-
-
-class Init(str, Enum):
-    remap = "remap"  # the remap stage's output: the source drafter with its lm_head rows on the training map
-    realign = "realign"  # diagnose's re-aligned drafter: remap, and fc (and embeddings) folded to read the new target
-    scratch = "scratch"  # a fresh layer; lm_head rows from the verifier
-    as_is = "as_is"  # a drafter trained on another map, unchanged: refused by the guard unless guard.consent=true
-
-
-class Spawn(str, Enum):
-    inprocess = "inprocess"  # one rank, in the stage's own process
-    torchrun = "torchrun"  # nproc local ranks started by torchrun
-    deepspeed = "deepspeed"  # nproc local ranks started by DeepSpeed's own launcher
-
-
-@dataclass
-class DeepSpeedConfig:
-    """Engine settings (EAGLE-3's own ds_config: ZeRO-2, betas 0.9/0.95, clipping 0.5); conf/deepspeed/ presets
-    choose the ZeRO stage for the pipeline."""
-
-    zero_stage: int = setting(0, at_least=0, at_most=3)
-    bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
-    gradient_accumulation_steps: int = setting(1, at_least=1)
-    gradient_clipping: float = setting(0.5, at_least=0)  # 0: no clipping
-    warmup_ratio: float = setting(0.015, at_least=0, at_most=1)  # linear warmup over this share of the steps, then cosine (SpecForge's 0.015)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    weight_decay: float = setting(0.0, at_least=0)
-
-
-@dataclass
-class GuardConfig:
-    enabled: bool = True
-    max_misaligned: float = setting(0.01, at_least=0, at_most=1)  # share of draft positions allowed to point at another token than the map says
-    consent: bool = False  # train a misaligned init anyway (to reproduce the failure on purpose)
-
-
-@dataclass
-class FinetuneConfig:
-    target: str = MISSING  # target model folder (the verifier)
-    target_name: Optional[str] = None  # the hub id the target is deployed by, recorded in the drafter (None: target)
-    data: Optional[str] = None  # chat JSONL for the target (online); not needed with `features`
-    vocab_map: str = MISSING  # the training draft vocab
-    out: str = MISSING
-    drafter: Optional[str] = None  # the init's drafter (remap output / source drafter); scratch may omit it
-    trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
-    features: Optional[str] = None  # a features stage output: train offline on cached target states
-    # online from a vLLM server: the target's states for each batch as it is needed, nothing on disk
-    # (engine.enabled; the pipeline's features.mode=online)
-    engine: EngineFeaturesConfig = field(default_factory=EngineFeaturesConfig)
-    init: Init = Init.remap
-    # the drafter a scratch fine-tune builds: eagle3 | eagle3.1 (norm_before_fc, norm_output) | mla | mla3.1 (fc_norm,
-    # norm_output) (FAMILY_FLAGS); None: the family of `drafter` (a scratch baseline is its source's), else eagle3
-    family: Optional[str] = None
-    ttt_steps: int = setting(7, at_least=1)  # SpecForge's length; the Kimi-K2.5 runs used 5, speculators 3
-    # TTT loss mask on the assistant mask m, for step k's prediction of token p = t+2+k at position t:
-    # drafted: m[t+1..p] all set (what inference drafts: never a turn's first token, never across turns);
-    # specforge: m[p-2] (SpecForge 0.2.0, EAGLE-3 cnets.py); speculators: m[p-1] (speculators, SpecForge #895)
-    loss_mask: LossMask = LossMask.drafted
-    lr: float = setting(1e-4, above=0)
-    epochs: int = setting(1, at_least=1)
-    max_steps: Optional[int] = setting(None, at_least=1)  # stop after this many optimizer steps
-    # end this run at this step with the schedule still max_steps long (a race's rung): checkpoint, validate,
-    # export the weights as they are; a later run with a larger stop_at resumes from it as if never stopped
-    stop_at: Optional[int] = setting(None, at_least=1)
-    micro_batch_size: int = setting(4, at_least=1)
-    max_length: int = setting(256, at_least=4)
-    val_fraction: float = setting(0.05, at_least=0, below=1)
-    log_every: int = setting(10, at_least=1)  # train metrics every this many optimizer steps (validation: every epoch)
-    checkpoint_every: int = setting(100, at_least=1)  # a resumable DeepSpeed checkpoint every this many optimizer steps
-    keep_checkpoints: int = setting(2, at_least=0)  # the newest DeepSpeed checkpoints kept (weights + optimizer, ~4x the drafter); 0: all
-    checkpoint_dir: Optional[str] = None  # default: <out>.checkpoints
-    resume: bool = True  # continue from the latest checkpoint in checkpoint_dir
-    seed: int = 0
-    spawn: Spawn = Spawn.inprocess
-    # ranks per node, on `nodes` nodes (launcher=slurm: --nodes, one task per rank; gloo on CPU, NCCL on GPU);
-    # nodes x nproc ranks, micro_batch_size and gradient accumulation set the global batch
-    nproc: int = setting(1, at_least=1)
-    nodes: int = setting(1, at_least=1)
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    guard: GuardConfig = field(default_factory=GuardConfig)
-
-
-def check_ranks(cfg: DictConfig | dict, stage: str = "finetune") -> None:
-    """The rank count this machine's spawn mode can start (a job's ranks on Slurm are its tasks instead)."""
-    if cfg.get("nodes", 1) != 1:
-        raise RegraftError(f"{stage}.nodes={cfg['nodes']}", "this launcher runs a stage on this one machine",
-                           "run on Slurm (launcher=slurm), which gives a fine-tune one task per rank across nodes")
-    if Spawn(cfg["spawn"]) is Spawn.inprocess and cfg["nproc"] != 1:
-        raise RegraftError(f"{stage}.nproc={cfg['nproc']}", "spawn=inprocess runs one rank",
-                           f"set {stage}.spawn=torchrun (or deepspeed) for {cfg['nproc']} ranks")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus and cfg["nproc"] > gpus:
-        raise RegraftError(f"{stage}.nproc={cfg['nproc']}", f"this machine has {gpus} GPUs, one rank each",
-                           f"set {stage}.nproc={gpus}, or run on Slurm (launcher=slurm) across nodes")
-
-
-def check_finetune_family(cfg: DictConfig, where: str) -> None:
-    check_family(f"{where}.family" if where else "family", cfg.get("family"))
-    engine = cfg.get("engine")
-    if engine is not None and engine.enabled and not engine.server_url:  # the stage starts the server itself
-        check_engine(engine.vllm, f"{where}.engine." if where else "engine.")
-
-
-register_schema("finetune", FinetuneConfig, check=check_finetune_family)
 RANK_FLAG = "--rank-config"
 
 

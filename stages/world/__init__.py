@@ -31,51 +31,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from stages.common.contract.artifacts import read_manifest, staged_output
 from stages.common.data.chat import load_tokenizer
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.runtime import SAME_ON_EVERY_CPU, same_on_every_cpu, torch_threads
-from stages.common.contract.stage import StageResult, register_schema, setting
+from stages.common.contract.stage import StageResult
 from stages.world.corpus import Docstring, as_conversation, file_docstrings, stdlib_source_files, write_jsonl
 from stages.world.toy import (assistant_loss, fit_causal_lm, generate_answers, pack_chats, rotate_residual_stream,
                               tiny_llama, train_tokenizer)
-
-
-@dataclass
-class WorldConfig:
-    out: str = MISSING
-    seed: int = 0  # every shuffle, init and batch order; the same seed builds the same world
-    max_docs: int = setting(6000, at_least=1)  # stdlib docstrings (about 5,500 distinct ones, packages included), split a-m (A) / n-z (B)
-    eval_docs: int = setting(64, at_least=1)  # held-out chats per domain for the targets' eval losses in the manifest
-    tokenizer_vocab_size: int = setting(4096, at_least=256)  # byte-level BPE ids (the target vocab)
-    hidden_size: int = setting(128, at_least=8)  # target width; a drafter copies width and heads
-    num_layers: int = setting(4, at_least=2)  # target depth (aux layers 0, 1, 2)
-    num_heads: int = setting(4, at_least=1)
-    seq_len: int = setting(256, at_least=8)  # target training rows: whole chats packed into this many tokens
-    batch_size: int = setting(4, at_least=1)  # rows per step: at equal compute, 4 x 256 beat 8 and 16 (eval loss 5.08 / 5.21 / 5.51)
-    lr: float = setting(3e-3, above=0)  # AdamW peak lr for both targets (warmup, cosine to lr/10)
-    steps_a: int = setting(200, at_least=1)  # target A's training steps on domain A (about 0.8 epochs)
-    steps_b: int = setting(100, at_least=1)  # target B = target A trained this many more steps on domain B
-    # the drifted world: B's residual stream rotated by exp(rotate_b x S) (0: none, 1: a full random rotation); its
-    # answers stay the same, the states a drafter trained on A reads move (stages/world/toy.py)
-    rotate_b: float = setting(0.0, at_least=0, at_most=1)
-    regen_prompts: int = setting(512, at_least=1)  # domain-B prompts whose answers target B regenerates into data_b.jsonl
-    # sampled, as SpecForge documents its regeneration; 0: greedy, which on a target this small loops on ~30
-    # distinct ids (a degenerate draft vocab for B)
-    regen_temperature: float = setting(0.8, at_least=0)
-    max_new_tokens: int = setting(64, at_least=1)  # longest regenerated answer; longer ones are cut (and kept, as in EAGLE-3 data)
-    gen_batch_size: int = setting(64, at_least=1)  # prompts per batched generation (left padding)
-    probe_prompts: int = setting(16, at_least=1)  # held-out domain-B prompts in prompts_b.jsonl for the probe
-    probe_multi_turn: int = setting(4, at_least=0)  # how many of them carry a second user turn
-    # torch CPU threads while building; 0: torch's default (all cores, so the world may differ between machines:
-    # reductions split by thread). On 2 shared cores 2 threads ran 2.5x slower than 1 when other jobs were busy,
-    # 1.6x faster when idle
-    threads: int = setting(1, at_least=0)
-
-
-register_schema("world", WorldConfig)
 
 
 @dataclass

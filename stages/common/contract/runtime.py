@@ -83,12 +83,19 @@ def _mkl_cbwr(set_compatible: bool) -> int | None:
     return get(_MKL_CBWR_BRANCH)
 
 
+def compute_as_every_cpu() -> None:
+    """SAME_ON_EVERY_CPU into os.environ, without importing torch: every process started from here (and this one,
+    if it computes later) takes it at its first torch op. What the orchestrator does; a stage checks it with
+    `same_on_every_cpu`."""
+    os.environ.update(SAME_ON_EVERY_CPU)
+
+
 def same_on_every_cpu() -> dict[str, object]:
     """Make this process (and the processes it starts) compute as every x86 CPU does: SAME_ON_EVERY_CPU into
     os.environ, then each setting checked. Too late for a setting once this process has used it (a torch op ran
     before with other settings): `in_effect` is then False and the caller decides (the world stage builds in a
     fresh interpreter). Returns what is in effect, for a manifest."""
-    os.environ.update(SAME_ON_EVERY_CPU)
+    compute_as_every_cpu()
     import torch
 
     capability = torch._C._get_cpu_capability()  # computed from the environment at the first call, then fixed

@@ -8,6 +8,7 @@ value) exit 2 with Hydra's message; bad input exits 1 with one RegraftError line
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -84,7 +85,9 @@ def check_config(cfg: DictConfig, schema: type, where: str) -> None:
 
 
 def compose_stage(stage: str, overrides: list[str], option: str = "default") -> DictConfig:
-    """`conf/STAGE/OPTION.yaml` with Hydra overrides; also from inside a running Hydra app (the pipeline)."""
+    """`conf/STAGE/OPTION.yaml` with Hydra overrides; also from inside a running Hydra app (the pipeline). Its
+    schema (stages/schemas/STAGE.py) is registered first, which the option's defaults list pulls."""
+    importlib.import_module(f"stages.schemas.{stage}")
     global_hydra = GlobalHydra.instance()
     running = global_hydra.hydra if global_hydra.is_initialized() else None
     global_hydra.clear()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
@@ -36,6 +35,7 @@ import torch
 
 from stages.common.contract.artifacts import read_manifest
 from stages.common.contract.errors import RegraftError
+from stages.common.data.feature_layout import LastHidden, Layout
 from stages.common.drafter.tensor_io import (StoredTensor, byte_view, numel, pread_exact, read_header, spec_of,
                                      write_safetensors)
 
@@ -44,20 +44,6 @@ ROW_TENSORS = ("input_ids", "attention_mask", "loss_mask", "aux_hidden")  # one 
 RAGGED_TENSORS = ("input_ids", "loss_mask", "aux_hidden")  # one entry per stored position
 PACKED, OFFSETS = "last_hidden_packed", "last_hidden_offsets"
 ROW_OFFSETS, LENGTHS = "row_offsets", "lengths"
-
-
-class Layout(str, Enum):
-    """How a shard's rows are laid out."""
-
-    ragged = "ragged"  # stored positions only (real tokens and the one after), rows concatenated
-    padded = "padded"  # every row padded to max_length
-
-
-class LastHidden(str, Enum):
-    """Where the final hidden state is stored."""
-
-    all = "all"  # every position: 4 * H values per position with the aux states
-    loss_masked = "loss_masked"  # only where a TTT loss can read it: about the assistant share of H per position
 
 
 def shard_path(folder: Path, index: int) -> Path:

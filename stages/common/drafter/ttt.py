@@ -27,24 +27,16 @@ they were) and `sim_accept_len = 1 + sum_k prod_{i<=k} cond_acc_i`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from stages.common.drafter.eagle3 import Eagle3Drafter, TTTCache
+from stages.common.drafter.loss_mask import LossMask
 from stages.common.drafter.target import TargetSignals
 
 DECAY = 0.8  # weight of draft step k's loss is DECAY**k
-
-
-class LossMask(str, Enum):
-    """Which of step k's predictions (token p = t+2+k, at position t) carry loss and count, on the assistant mask m."""
-
-    drafted = "drafted"  # m[t+1..p] all set: only tokens inference drafts (not a turn's first, never across turns)
-    specforge = "specforge"  # m[p-2] = m[t+k]: SpecForge 0.2.0 / EAGLE-3 cnets.py
-    speculators = "speculators"  # m[p-1] = m[t+1+k]: speculators, SpecForge #885 / #895
 
 
 def shift_left(x: torch.Tensor, steps: int) -> torch.Tensor:

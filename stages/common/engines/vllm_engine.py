@@ -64,6 +64,20 @@ class VllmConfig:
     serial_start: bool = False
 
 
+@dataclass
+class EngineFeaturesConfig:
+    """finetune.engine: the target's states for each batch from a vLLM server (features.mode=online)."""
+
+    enabled: bool = False
+    server_url: Optional[str] = None  # a server started with serve_command's flags; None: the stage starts one
+    prefetch: int = 2  # batches asked for ahead of the trainer: the most held in memory at once, besides its own
+    retries: int = 3  # per request, with backoff; then the stage stops with one line naming the server
+    request_timeout_s: float = 600.0
+    connector: str = "cpu"  # cpu: regraft's connector (a CPU build) | stock: vLLM's own (GPU)
+    dtype: str = "float32"  # the target's dtype in the server
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+
 def engine_python(cfg: VllmConfig) -> Path:
     path = Path(cfg.python)
     return path if path.is_absolute() else ROOT / path

@@ -20,9 +20,8 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
@@ -32,25 +31,11 @@ from stages.common.drafter.config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, conver
 from stages.common.drafter.target import FinalNorm
 from stages.common.engines.engine_process import ServerProcess
 from stages.common.engines.openai_client import request_json, served_models
-from stages.common.engines.vllm_engine import ROOT, VllmConfig, check_engine, engine_python
+from stages.common.engines.vllm_engine import ROOT, EngineFeaturesConfig, check_engine, engine_python
 
 HOST = "127.0.0.1"
 CONNECTORS = {"cpu": ("CpuHiddenStatesConnector", "stages.common.engines.vllm_hidden_states"),
               "stock": ("ExampleHiddenStatesConnector", None)}
-
-
-@dataclass
-class EngineFeaturesConfig:
-    """finetune.engine: the target's states for each batch from a vLLM server (features.mode=online)."""
-
-    enabled: bool = False
-    server_url: Optional[str] = None  # a server started with serve_command's flags; None: the stage starts one
-    prefetch: int = 2  # batches asked for ahead of the trainer: the most held in memory at once, besides its own
-    retries: int = 3  # per request, with backoff; then the stage stops with one line naming the server
-    request_timeout_s: float = 600.0
-    connector: str = "cpu"  # cpu: regraft's connector (a CPU build) | stock: vLLM's own (GPU)
-    dtype: str = "float32"  # the target's dtype in the server
-    vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
 def capture_settings(layer_ids: list[int], num_layers: int, connector: str, spill: Path) -> dict[str, dict]:

@@ -1,0 +1,70 @@
+"""The features stage's config (stages/features.py), its rules, and what it asks of the machine it runs on."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from stages.common.contract.stage import register_schema, setting
+from stages.common.data.feature_layout import LastHidden, Layout
+from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_engine_here
+
+
+class Mode(str, Enum):
+    """Where a pipeline's fine-tunes get the target's states (with pipeline.offline=true; false runs the target in
+    transformers inside each fine-tune)."""
+
+    offline = "offline"  # this stage caches them once; the fine-tunes stream the shards
+    online = "online"  # no stage caches them: each fine-tune asks a vLLM server per batch (finetune.engine)
+
+
+class Backend(str, Enum):
+    hf = "hf"  # the target in transformers, in this process
+    vllm = "vllm"  # the target in vLLM (engine venv), states captured by its extract_hidden_states method
+
+
+@dataclass
+class FeaturesConfig:
+    target: str = MISSING
+    data: str = MISSING
+    out: str = MISSING
+    mode: Mode = Mode.offline  # offline: cache them here | online: fine-tunes ask a server (no features node)
+    drafter: Optional[str] = None  # take the aux layers (and convention) from this drafter's config
+    aux_layer_ids: Optional[list[int]] = None  # or give them, in the output-of-layer convention
+    trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
+    max_length: int = setting(256, at_least=4)  # tokens per conversation, as the fine-tunes will truncate them
+    batch_size: int = setting(8, at_least=1)  # conversations per target forward
+    rows_per_shard: int = setting(512, at_least=1)  # conversations per safetensors shard
+    # the final hidden state at every position (all), or only where a TTT loss under any finetune.loss_mask reads
+    # it (loss_masked: answers and the token after each), saving H x itemsize at every other position
+    last_hidden: LastHidden = LastHidden.all
+    # ragged: each conversation's real tokens (and the one after) only, padded when read; padded: every row at
+    # max_length, as the target ran them (what a ragged set is checked against; the fine-tunes are bit-identical)
+    layout: Layout = Layout.ragged
+    backend: Backend = Backend.hf  # hf: transformers here | vllm: vLLM's extract_hidden_states (make venv-vllm)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    vllm_connector: str = "cpu"  # cpu: regraft's connector (a CPU build) | stock: vLLM's own (GPU)
+    # across nodes: the pipeline splits the data into this many contiguous parts, one job and one cached output
+    # each (`part`), and joins them with a node that only indexes the part outputs (`part_outputs`): no state is copied
+    parts: int = setting(1, at_least=1)
+    part: Optional[int] = setting(None, at_least=0)  # this job's part of `parts`; None: all the data
+    part_outputs: list[str] = field(default_factory=list)  # join: complete part outputs, in order; nothing is computed
+    dtype: str = "float32"  # the target's dtype while it runs (the shards keep what it computes)
+
+
+def check_features(cfg: DictConfig, where: str) -> None:
+    if Backend(cfg.backend) is Backend.vllm:
+        check_engine(cfg.vllm, f"{where}." if where else "")
+
+
+def check_before_work(cfg: dict, stage: str) -> None:
+    """What the pipeline asks of every stage before any work, where it will run (pipelines/launchers.py): an engine
+    this machine can run as asked."""
+    if Backend(cfg["backend"]) is Backend.vllm:
+        check_engine_here(OmegaConf.create(cfg["vllm"]), f"{stage}.", cfg.get("target"),
+                          stock_connector=cfg["vllm_connector"] == "stock")
+
+
+register_schema("features", FeaturesConfig, check=check_features)
