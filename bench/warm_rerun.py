@@ -4,13 +4,15 @@ and how long the other commands a user repeats take (`--cfg job`, a plan, a refu
 A warm rerun is the command a user repeats most (checking a sweep, rerunning after a fix, reading the tables
 again). This runs `regraft` on an outputs folder whose stages are all complete: first `--repeat` times plain (the
 wall seconds, median), then once under cProfile, whose main-thread cumulative seconds give the parts. With several
-`--root`s (a worktree of an earlier commit beside this one) the table sets them side by side; the stages' code must
-be the same in each, or the rerun is not warm.
+`--root`s (a worktree of an earlier commit beside this one) the table sets them side by side: on one `--outputs`
+when the stages' code is the same in each (else the rerun is not warm), or on one `--outputs` per root, each the
+outputs of that checkout's own cold run.
 
     .venv/bin/python -m pipelines.regraft paths.outputs=/tmp/warm              # once: the cold run
     .venv/bin/python bench/warm_rerun.py --outputs /tmp/warm                   # this checkout
     git worktree add /tmp/before COMMIT
     .venv/bin/python bench/warm_rerun.py --outputs /tmp/warm --root /tmp/before --root .
+    .venv/bin/python bench/warm_rerun.py --outputs /tmp/warm_before --root /tmp/before --outputs /tmp/warm --root .
 """
 from __future__ import annotations
 
@@ -99,22 +101,27 @@ def short(commit: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--outputs", type=Path, required=True, help="an outputs folder whose stages are complete")
+    parser.add_argument("--outputs", type=Path, action="append", required=True,
+                        help="an outputs folder whose stages are complete: one for every root, or one per root")
     parser.add_argument("--root", type=Path, action="append", help="a checkout to measure (default: this one)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--write", action="store_true", help="write the table into docs/results.md (warm-rerun)")
     args = parser.parse_args()
     roots = [root.resolve() for root in (args.root or [ROOT])]
-    results = {root: measure(root, args.outputs, args.repeat) for root in roots}
+    if len(args.outputs) not in (1, len(roots)):
+        parser.error(f"give one --outputs, or one per --root ({len(roots)})")
+    outputs = args.outputs * len(roots) if len(args.outputs) == 1 else args.outputs
+    results = {root: measure(root, folder, args.repeat) for root, folder in zip(roots, outputs)}
     text = table(results, [short(code_commit(root)) for root in roots])
     print(text)
     if args.write:
         from bench.figures import write_blocks
 
         said = (f"Written by `bench/warm_rerun.py --write` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "
-                f"{args.repeat} plain reruns per checkout) on a default run's outputs. Parts are main-thread "
-                "cumulative seconds under cProfile, which slows Python code; they overlap where one part runs inside "
-                "another (the DAG records its hits through tracking).")
+                f"{args.repeat} plain reruns per checkout) on a default run's outputs (each checkout's own where "
+                "their stages' code differs). Parts are main-thread cumulative seconds under cProfile, which slows "
+                "Python code; they overlap where one part runs inside another (the DAG records its hits through "
+                "tracking).")
         write_blocks({"warm-rerun": "```\n" + text + "\n```\n\n" + "\n".join(textwrap.wrap(said, 118)) + "\n"})
 
 
