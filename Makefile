@@ -25,10 +25,13 @@ REF := transformers==5.19.0 pydantic typer rich
 
 venv: $(STAMP)
 
+# The dependencies through uv: on 2 cores with no cache, pip took 119 s over them and uv 12 s (plus 3 s to install
+# uv), the same packages at the same versions. torch is pip's, from this machine's disk: uv keeps it (2.13.0+cpu
+# meets ==2.13.0) and never fetches a build of its own.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH)
-	$(BIN)/pip install --quiet -e '.[dev]' $(TORCH)
+	$(BIN)/pip install --quiet $(TORCH) uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]' $(TORCH)
 	$(BIN)/python -c "from stages.finetune import build_cpu_ops; build_cpu_ops()"  # DeepSpeed's CPU op, ~1 min
 	touch $(STAMP)
 
