@@ -36,8 +36,9 @@ class WorldConfig:
     probe_multi_turn: int = setting(4, at_least=0)  # how many of them carry a second user turn
     # torch CPU threads while building, fixed so that every machine builds the same world (reductions split by
     # thread); 0: torch's default (all cores: the world may then differ between machines). The world is the first
-    # stage and builds alone: on 2 idle cores 2 threads trained the targets 2.0x faster than 1 (12.0 s vs 5.9 s for
-    # 20 steps of target A); on 2 cores other jobs keep busy, 2 threads ran 2.5x slower than 1 (world=tiny keeps 1)
+    # stage and builds alone: on 2 idle cores target A's first 20 steps took 20.7 s on 1 thread and 13.8 s on 2
+    # (`python -m stages.world out=DIR steps_a=20 steps_b=2 regen_prompts=8 threads=N`); on 2 cores other jobs keep
+    # busy, 2 threads ran 2.5x slower than 1 (world=tiny, built beside tests and sweeps, keeps 1)
     threads: int = setting(2, at_least=0)
 
 
