@@ -14,6 +14,7 @@ and regenerate the figure is a lower bound. A device's rate is `tflops` x `utili
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -26,8 +27,8 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from stages.common.contract.artifacts import write_json_atomic
-from stages.common.drafter.config import language_model_config
+from stages.common.contract.artifacts import read_manifest, write_json_atomic
+from stages.common.drafter.config import drafter_config_for, language_model_config, parse_config
 
 # where counts are kept across commands (plan_pipeline sets paths.outputs/estimates): a plan of unchanged inputs
 # loads no tokenizer and builds no model (each count keyed by its arguments and the size and mtime of the files
@@ -110,14 +111,20 @@ def target_params(folder: str) -> tuple[int, int]:
     return _target_params(json.dumps(model_config(folder), sort_keys=True))
 
 
-def drafter_params(config: Any) -> int:
-    """Parameters of a drafter (DrafterConfig), built on the meta device."""
+@kept
+def _drafter_params(config_text: str) -> tuple[int]:
     import torch
 
+    from stages.common.drafter.config import DrafterConfig
     from stages.common.drafter.eagle3 import Eagle3Drafter
 
     with torch.device("meta"):
-        return sum(p.numel() for p in Eagle3Drafter(config).parameters())
+        return (sum(p.numel() for p in Eagle3Drafter(DrafterConfig(**json.loads(config_text))).parameters()),)
+
+
+def drafter_params(config: Any) -> int:
+    """Parameters of a drafter (DrafterConfig), built on the meta device."""
+    return _drafter_params(json.dumps(dataclasses.asdict(config), sort_keys=True))[0]
 
 
 def bytes_per_position(target: dict[str, Any], aux_layers: int, dtype: str) -> int:
@@ -154,9 +161,25 @@ def chat_tokens(tokenizer_dir: str, data: str, max_length: int, trust_remote_cod
     return rows, tokens, []
 
 
-@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """This machine's CPU as /proc/cpuinfo names it (empty where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
 def measured_tflops(threads: int | None) -> float:
-    """This machine's float32 matrix-product rate (TFLOP/s), over a quarter of a second."""
+    """This machine's float32 matrix-product rate (TFLOP/s), over a quarter of a second; kept per CPU model, core
+    count, thread count and torch version, so that the same plan twice gives the same figures."""
+    from importlib.metadata import version
+
+    return _measured_tflops(threads, cpu_model(), os.cpu_count() or 1, version("torch"))[0]
+
+
+@kept
+def _measured_tflops(threads: int | None, _cpu: str, _cores: int, _torch: str) -> tuple[float]:
     import torch
 
     if threads:
@@ -167,7 +190,7 @@ def measured_tflops(threads: int | None) -> float:
     while time.perf_counter() - start < 0.25:
         a @ b
         products += 1
-    return products * 2 * 512 ** 3 / (time.perf_counter() - start) / 1e12
+    return (products * 2 * 512 ** 3 / (time.perf_counter() - start) / 1e12,)
 
 
 def device_rate(plan: DictConfig, threads: int | None) -> tuple[float, str]:
@@ -223,14 +246,12 @@ def features_estimate(config: DictConfig, context: PlanContext) -> Estimate:
 
 def drafter_of(config: DictConfig, context: PlanContext) -> tuple[Any, str]:
     """The config of the drafter a fine-tune trains, and where it came from."""
-    from stages.common.drafter.checkpoint import DrafterCheckpoint
-    from stages.common.drafter.config import drafter_config_for
-
-    if str(config.init) != "scratch":  # the shape of the drafter it starts from
+    if str(config.init) != "scratch":  # the shape of the drafter it starts from, read from its config.json
         for folder in (config.drafter, context.source):
             for candidate in (Path(folder or ""), Path(folder or "") / "drafter"):
                 if folder and (candidate / "config.json").exists():
-                    return DrafterCheckpoint.open(candidate).config, f"the shape of {candidate}"
+                    raw = json.loads((candidate / "config.json").read_text())
+                    return parse_config(raw, candidate / "config.json")[1], f"the shape of {candidate}"
     model_config(config.target)
     family = config.family or "eagle3"
     size = draft_vocab_size(config.vocab_map) or context.draft_vocab_size
@@ -238,11 +259,14 @@ def drafter_of(config: DictConfig, context: PlanContext) -> tuple[Any, str]:
 
 
 def draft_vocab_size(vocab_map: str | None) -> int | None:
-    """The size of a vocab map already there (a stage output), else None."""
-    from stages.common.drafter.vocab import load_vocab_map
-
+    """The size of a vocab map already there (a stage output: its manifest says it), else None."""
     if not vocab_map or not Path(vocab_map).exists():
         return None
+    manifest = read_manifest(vocab_map) if Path(vocab_map).is_dir() else None
+    if manifest is not None and "draft_vocab_size" in manifest.get("metrics", {}):
+        return int(manifest["metrics"]["draft_vocab_size"])
+    from stages.common.drafter.vocab import load_vocab_map  # torch: a map given as a file
+
     return load_vocab_map(vocab_map).draft_vocab_size
 
 

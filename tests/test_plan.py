@@ -79,6 +79,19 @@ def test_a_plan_after_the_run_holds_every_node_cached_and_its_estimates_match_th
     assert rows["finetune"]["gpu_hours"] > 0 and rows["probe"]["gpu_hours"] > 0 and rows["remap"]["gpu_hours"] == 0
 
 
+def test_a_plan_of_unchanged_inputs_imports_no_torch_and_gives_the_same_figures(ran):
+    """Its counts, the drafters' sizes and this machine's measured rate are kept: nothing to build or measure."""
+    first = regraft(ran, *TINY, "pipeline.plan=true")
+    assert first.returncode == 0, first.stdout[-3000:]
+    kept = the_plan(ran)
+    again = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipelines.regraft", f"paths.outputs={ran}",
+                            *TINY, "pipeline.plan=true"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in again.stderr.splitlines() if line.startswith("import time:")}
+    assert "omegaconf" in imported and "torch" not in imported
+    assert the_plan(ran)["nodes"] == kept["nodes"] and the_plan(ran)["totals"] == kept["totals"]
+
+
 def test_a_plan_lists_every_problem_and_exits_1(tmp_path):
     done = regraft(tmp_path, *TINY, "pipeline.plan=true", "finetune.lr=-1", "probe.backend=vllm",
                    "probe.vllm.python=/nowhere/python")
