@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from stages.common.contract.errors import RegraftError
-from stages.common.contract.stage import compose_stage
+from stages.common.contract.stage import stage_defaults
 
 # a data-parallel part is `features_3` (features.parts); a sweep's one DAG names a node that differs between
 # members `finetune#2` (pipelines/sweep.py)
@@ -139,7 +139,7 @@ def training_data(cfg: DictConfig) -> str:
 def source_nodes(build: DictConfig) -> list[Node]:
     """The built-in source drafter, made by regraft's own stages: a draft vocab counted on target A's data, then a
     from-scratch fine-tune on target A (the finetune stage's defaults plus `source.build.finetune`)."""
-    counted = wired(compose_stage("vocab_map", []), tokenizer=build.target, data=build.data)
+    counted = wired(stage_defaults("vocab_map"), tokenizer=build.target, data=build.data)
     counted.draft_vocab_size = build.draft_vocab_size
     settings = {**OmegaConf.to_container(build.finetune, resolve=True), "family": build.family}
     trained = wired(built_finetune(settings), target=build.target, data=build.data, vocab_map="@source_map")
@@ -148,7 +148,7 @@ def source_nodes(build: DictConfig) -> list[Node]:
 
 def built_finetune(settings: dict[str, Any]) -> DictConfig:
     """The finetune stage's defaults with `settings` on top, checked against its schema (a typo is refused here)."""
-    config = compose_stage("finetune", [])
+    config = stage_defaults("finetune")
     try:
         config.merge_with({**settings, "init": "scratch"})
     except OmegaConfBaseException as error:

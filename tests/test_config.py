@@ -7,7 +7,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 import pipelines.regraft  # noqa: F401  (registers every schema)
-from stages.common.contract.stage import CONF_DIR, compose_stage
+from pipelines.jobs import stage_names
+from stages.common.contract.stage import CONF_DIR, compose_stage, stage_defaults
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")  # hydra/: Hydra's own
 
@@ -91,3 +92,12 @@ def test_overrides_and_typos():
                                            ("probe", {"target", "drafter", "out"})])
 def test_each_stage_composes_alone_and_asks_for_its_inputs(stage, inputs):
     assert OmegaConf.missing_keys(compose_stage(stage, [])) == inputs
+
+
+@pytest.mark.parametrize("stage", stage_names())
+def test_a_stages_defaults_built_without_hydra_are_what_hydra_composes(stage):
+    fast, composed = stage_defaults(stage), compose_stage(stage, [])
+    assert OmegaConf.to_container(fast) == OmegaConf.to_container(composed)
+    assert OmegaConf.get_type(fast) is OmegaConf.get_type(composed) and OmegaConf.is_struct(fast)
+    with pytest.raises(Exception):
+        fast.no_such_key = 1  # a typo is refused, as in the composed one

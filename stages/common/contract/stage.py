@@ -99,6 +99,20 @@ def compose_stage(stage: str, overrides: list[str], option: str = "default") -> 
             GlobalHydra.instance().initialize(running)
 
 
+def stage_defaults(stage: str) -> DictConfig:
+    """`conf/STAGE/default.yaml` as `compose_stage(stage, [])` gives it, built without Hydra where its defaults list
+    is only its schema and itself (every stage's is): the schema's defaults, then the file's own values. A Hydra
+    compose costs about half a second, and the pipeline asks for stage defaults on every command (dag.py)."""
+    importlib.import_module(f"stages.schemas.{stage}")
+    raw = OmegaConf.load(CONF_DIR / stage / "default.yaml")
+    if list(raw.get("defaults", [])) != [f"/schema/{stage}@_here_", "_self_"]:
+        return compose_stage(stage, [])
+    config = OmegaConf.merge(OmegaConf.structured(SCHEMAS[stage]),
+                             {key: value for key, value in raw.items() if key != "defaults"})
+    OmegaConf.set_struct(config, True)
+    return config
+
+
 def render_result(stage: str, result: StageResult, console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title=f"{stage}: {result.headline}" if result.headline else stage)
