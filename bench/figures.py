@@ -47,13 +47,13 @@ def newest_run(outputs: Path) -> Path:
 def run_commit(run: Path, summary: dict) -> str:
     """The commit the run's tracker recorded (tag `git_commit` of the parent run tagged with this run_dir)."""
     uri = str(summary["config"].get("tracking", {}).get("uri") or "")
-    store = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+    store = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None  # relative: to where it ran
     if store is not None and store.exists():
         import sqlite3
 
         with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True)) as db:
             row = db.execute("SELECT c.value FROM tags c JOIN tags d ON c.run_uuid = d.run_uuid WHERE "
-                             "c.key = 'git_commit' AND d.key = 'run_dir' AND d.value = ?", (str(run),)).fetchone()
+                             "c.key = 'git_commit' AND d.key = 'run_dir' AND d.value = ?", (str(run.resolve()),)).fetchone()
         if row:
             return row[0]
     return code_commit() + " (HEAD when the figures were written; the run recorded none)"
