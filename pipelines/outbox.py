@@ -236,10 +236,22 @@ def experiment(client: Any, name: str, artifact_location: str) -> str:
         found = client.get_experiment_by_name(name)
     tags = found.tags
     if tags.get("mlflow.experimentKind") != "custom_model_development":
-        client.set_experiment_tag(found.experiment_id, "mlflow.experimentKind", "custom_model_development")
+        set_experiment_tag(client, found.experiment_id, "mlflow.experimentKind", "custom_model_development")
     if "mlflow.note.content" not in tags:  # a description edited in the UI stays
-        client.set_experiment_tag(found.experiment_id, "mlflow.note.content", EXPERIMENT_NOTE)
+        set_experiment_tag(client, found.experiment_id, "mlflow.note.content", EXPERIMENT_NOTE)
     return found.experiment_id
+
+
+def set_experiment_tag(client: Any, experiment_id: str, key: str, value: str) -> None:
+    """An experiment tag that runs started together may all set to the same value: the SQLite store inserts a new
+    key, so the runs that lose the race fail on its UNIQUE constraint, and the winner's tag is theirs too."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.set_experiment_tag(experiment_id, key, value)
+    except MlflowException:
+        if client.get_experiment(experiment_id).tags.get(key) is None:
+            raise
 
 
 def send_kept(folder: Path, writer: StoreWriter, cfg: DictConfig) -> int:

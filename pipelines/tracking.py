@@ -190,8 +190,10 @@ def runs_link(client: Any, experiment_id: str, cfg: DictConfig, sweep: str | Non
     """One link to the runs table filtered, sorted and with columns set: the view is kept as an experiment tag that
     the UI reads by its key (MLflow's own "share view"), as filter and sort alone could be in the URL but the
     columns cannot."""
+    from pipelines.outbox import set_experiment_tag
+
     key = "regraft-" + hashlib.sha256((sweep or "all").encode()).hexdigest()[:12]
-    client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG + key, json.dumps(runs_view(sweep)))
+    set_experiment_tag(client, experiment_id, SHARED_VIEW_TAG + key, json.dumps(runs_view(sweep)))
     base = cfg.uri.rstrip("/") if cfg.uri.startswith(("http://", "https://")) else UI_ADDRESS
     return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={key}"
 
