@@ -93,16 +93,16 @@ def test_a_failed_stage_keeps_only_its_logs(tmp_path):
 def test_an_in_process_cpu_engine_is_refused_for_kimi_before_any_work(kimi, target_dir):
     """vLLM's CPU build serves Kimi-K2.5 out of process only: the probe's and the features' check names the fix; a
     Llama target, or the engine out of process, passes."""
-    from stages import features, probe
+    from stages.schemas import features as features_schema, probe as probe_schema
     from stages.common.engines.vllm_engine import VllmConfig, gpu_visible
 
     if gpu_visible():
         pytest.skip("this machine has a GPU: the CPU build's limits do not apply")
     in_process, out_of_process = vars(VllmConfig(in_process=True)), vars(VllmConfig(in_process=False))
     with pytest.raises(RegraftError, match=r"probe.vllm.in_process=true: .* \(fix: set probe.vllm.in_process=false\)"):
-        probe.check_before_work({"backend": "vllm", "target": str(kimi), "vllm": in_process, "sglang": {}}, "probe")
+        probe_schema.check_before_work({"backend": "vllm", "target": str(kimi), "vllm": in_process, "sglang": {}}, "probe")
     with pytest.raises(RegraftError, match="features.vllm.in_process=true"):
-        features.check_before_work({"backend": "vllm", "target": str(kimi), "vllm": in_process,
-                                    "vllm_connector": "cpu"}, "features")
-    probe.check_before_work({"backend": "vllm", "target": str(kimi), "vllm": out_of_process, "sglang": {}}, "probe")
-    probe.check_before_work({"backend": "vllm", "target": str(target_dir), "vllm": in_process, "sglang": {}}, "probe")
+        features_schema.check_before_work({"backend": "vllm", "target": str(kimi), "vllm": in_process,
+                                           "vllm_connector": "cpu"}, "features")
+    for target, vllm in ((kimi, out_of_process), (target_dir, in_process)):
+        probe_schema.check_before_work({"backend": "vllm", "target": str(target), "vllm": vllm, "sglang": {}}, "probe")

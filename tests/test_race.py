@@ -128,10 +128,10 @@ def test_race_picks_the_full_budget_winner_in_the_drifted_world(tmp_path):
     assert race["compute_share"] <= 0.5
     place = {label: index for index, (label, _) in enumerate(ranking)}
     best = lambda init: min(index for label, index in place.items() if label.startswith(init))
-    # the Kimi shape, on this seed (0): the remapped drafter ends below scratch; the closed-form re-alignment is what
-    # rescues it. On other seeds remap may end ahead of scratch (docs/results.md, figures:drift-seeds; the test below)
-    assert best("scratch") < best("remap")
-    assert best("realign") < best("scratch")
+    # the closed-form re-alignment is what carries the old drafter over: it ends first, ahead of remap and scratch.
+    # Whether scratch also passes remap (the Kimi shape) depends on the world: the world before its questions followed
+    # each docstring's kind showed it on this seed, this one does not (docs/results.md, figures:drift-seeds)
+    assert best("realign") == 0 and best("realign") < min(best("remap"), best("scratch"))
 
 
 @pytest.mark.long  # two more worlds and source drafters: about 5 minutes a seed on 2 idle cores
