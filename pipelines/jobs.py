@@ -61,7 +61,8 @@ def stage_names() -> list[str]:
 
     import stages
 
-    return sorted(module.name for module in pkgutil.iter_modules(stages.__path__) if module.name not in ("common", "schemas"))
+    return sorted(module.name for module in pkgutil.iter_modules(stages.__path__)
+                  if module.name not in ("common", "schemas"))
 
 
 @dataclass

@@ -108,3 +108,12 @@ def test_diagnose_measures_the_rotation_and_writes_a_drafter_that_undoes_it(trai
     assert "transfer_gap" not in alone.metrics and not (tmp_path / "no_a" / "realigned").exists()
     assert "no target A" in alone.headline
     assert alone.metrics["heldout_loss_0_remap"] == pytest.approx(m["heldout_loss_0_remap"])
+
+
+def test_diagnose_defaults_to_the_ridge_the_library_uses():
+    """The schema states drift.RIDGE's value without importing torch: the two must not part."""
+    import dataclasses
+
+    from stages.schemas.diagnose import DiagnoseConfig
+
+    assert next(f.default for f in dataclasses.fields(DiagnoseConfig) if f.name == "ridge") == drift.RIDGE
