@@ -2,14 +2,16 @@
 and how long the other commands a user repeats take (`--cfg job`, a plan, a refused bad input).
 
 A warm rerun is the command a user repeats most (checking a sweep, rerunning after a fix, reading the tables
-again). This runs `regraft` on an outputs folder whose stages are all complete: first `--repeat` times plain (the
-wall seconds, median), then once under cProfile, whose main-thread cumulative seconds give the parts. With several
-`--root`s (a worktree of an earlier commit beside this one) the table sets them side by side: on one `--outputs`
-when the stages' code is the same in each (else the rerun is not warm), or on one `--outputs` per root, each the
-outputs of that checkout's own cold run.
+again). This runs `regraft` on an outputs folder whose stages are all complete: once after asking the store's agent
+to end (pipelines/store_agent.py: that command starts a new one, as the first command after an idle spell does),
+then `--repeat` times plain (the wall seconds, median), then once under cProfile, whose main-thread cumulative
+seconds give the parts. With several `--root`s (a worktree of an earlier commit beside this one) the table sets
+them side by side: on one `--outputs` when the stages' code is the same in each (else the rerun is not warm), or on
+one `--outputs` per root, each the outputs of that checkout's own cold run.
 
     .venv/bin/python -m pipelines.regraft paths.outputs=/tmp/warm              # once: the cold run
     .venv/bin/python bench/warm_rerun.py --outputs /tmp/warm                   # this checkout
+    .venv/bin/python bench/warm_rerun.py --outputs /tmp/tiny --override debug=tiny  # a debug=tiny cold run's
     git worktree add /tmp/before COMMIT
     .venv/bin/python bench/warm_rerun.py --outputs /tmp/warm --root /tmp/before --root .
     .venv/bin/python bench/warm_rerun.py --outputs /tmp/warm_before --root /tmp/before --outputs /tmp/warm --root .
@@ -32,15 +34,16 @@ sys.path.insert(0, str(ROOT))
 
 from bench.figures import code_commit  # noqa: E402
 
-# (part, file suffix, function): cumulative main-thread seconds of that function (summed over its calls)
+# (part, file suffix or suffixes, function): cumulative main-thread seconds of that function (summed over its calls)
 PARTS = (
     ("import torch", "site-packages/torch/__init__.py", "<module>"),
     ("import mlflow", "site-packages/mlflow/__init__.py", "<module>"),
     ("tracking set up (store opened)", "pipelines/tracking.py", "for_pipeline"),
+    ("  of which the store's agent reached", "pipelines/store_agent.py", "reach"),
     ("config composed (Hydra)", "hydra/_internal/hydra.py", "compose_config"),
     ("cache keys", "pipelines/cache.py", "keys_for"),
     ("DAG: hits checked and recorded", "pipelines/runner.py", "run_dag"),
-    ("waiting for the store at the end", "pipelines/outbox.py", "close"),
+    ("waiting for the store at the end", ("pipelines/outbox.py", "pipelines/store_agent.py"), "close"),
     ("plots", "pipelines/summary.py", "plot"),
 )
 
@@ -50,9 +53,12 @@ QUICK = (("regraft --cfg job", ["--cfg", "job"], 0), ("regraft pipeline.plan=tru
          ("a refused bad input (finetune.lr=-1)", ["finetune.lr=-1"], 1))
 
 
+OVERRIDES: list[str] = []  # --override: given to every command (debug=tiny for a tiny cold run's outputs)
+
+
 def command(root: Path, outputs: Path, profile: Path | None, extra: list[str] = ()) -> list[str]:
     profiled = ["-m", "cProfile", "-o", str(profile)] if profile else []
-    return [sys.executable, *profiled, "-m", "pipelines.regraft", f"paths.outputs={outputs}", *extra]
+    return [sys.executable, *profiled, "-m", "pipelines.regraft", f"paths.outputs={outputs}", *OVERRIDES, *extra]
 
 
 def rerun(root: Path, outputs: Path, profile: Path | None = None, extra: list[str] = (), expect: int = 0) -> float:
@@ -83,6 +89,10 @@ def ran_nothing(outputs: Path) -> bool:
 
 
 def measure(root: Path, outputs: Path, repeat: int) -> dict:
+    from pipelines.store_agent import stop_agents
+
+    stop_agents(str(outputs))  # the first command after the store's agent ended (idle) starts one
+    first = rerun(root, outputs)
     walls = [rerun(root, outputs) for _ in range(repeat)]
     if not ran_nothing(outputs):
         raise SystemExit(f"the rerun in {root} ran stages: its stage code differs from the cold run's")
@@ -91,7 +101,7 @@ def measure(root: Path, outputs: Path, repeat: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         profile = Path(folder) / "warm.prof"
         rerun(root, outputs, profile)
-        return {"wall": statistics.median(walls), "parts": parts(profile), "quick": quick}
+        return {"wall": statistics.median(walls), "first": first, "parts": parts(profile), "quick": quick}
 
 
 def short(commit: str) -> str:
@@ -105,8 +115,11 @@ def main() -> None:
                         help="an outputs folder whose stages are complete: one for every root, or one per root")
     parser.add_argument("--root", type=Path, action="append", help="a checkout to measure (default: this one)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--override", action="append", default=[],
+                        help="an override every command takes, as the cold run did (e.g. debug=tiny)")
     parser.add_argument("--write", action="store_true", help="write the table into docs/results.md (warm-rerun)")
     args = parser.parse_args()
+    OVERRIDES.extend(args.override)
     roots = [root.resolve() for root in (args.root or [ROOT])]
     if len(args.outputs) not in (1, len(roots)):
         parser.error(f"give one --outputs, or one per --root ({len(roots)})")
@@ -128,7 +141,9 @@ def main() -> None:
 def table(results: dict[Path, dict], names: list[str]) -> str:
     width = max(len(name) for name, _, _ in PARTS + QUICK) + 18
     lines = [f"{'seconds':<{width}}" + "".join(f"{name:>14}" for name in names),
-             f"{'warm rerun, wall (median)':<{width}}" + "".join(f"{r['wall']:>14.2f}" for r in results.values())]
+             f"{'warm rerun, wall (median)':<{width}}" + "".join(f"{r['wall']:>14.2f}" for r in results.values()),
+             f"{'  the one that starts the agent':<{width}}"
+             + "".join(f"{r['first']:>14.2f}" for r in results.values())]
     for name, _, _ in PARTS:
         cells = []
         for result in results.values():

@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from omegaconf import DictConfig
 from rich.console import Console
@@ -33,6 +33,9 @@ from rich.console import Console
 from pipelines.store import EXPERIMENT_NOTE, StoreWriter, repair_store, store_lock
 from stages.common.contract.artifacts import write_json_atomic
 from stages.common.contract.errors import RegraftError
+
+if TYPE_CHECKING:
+    from pipelines.store_agent import AgentOutbox
 
 OWNER_TAGS = ("regraft.host", "regraft.pid", "regraft.started")
 KEPT_PATTERN = "*.json"
@@ -95,50 +98,67 @@ class Outbox:
     handles = itertools.count()
 
     @classmethod
-    def of(cls, cfg: DictConfig) -> "Outbox":
-        key = f"{cfg.uri}\n{cfg.experiment}"
+    def of(cls, cfg: DictConfig) -> "Outbox | AgentOutbox":
+        """This process's way to the store: its agent when `tracking.agent` (pipelines/store_agent.py), else (or
+        when no agent can serve it) a writer thread here."""
+        key = f"{cfg.uri}\n{cfg.experiment}\n{cfg.get('agent', False)}"
         if key not in cls.opened:
-            cls.opened[key] = cls(cfg)
+            reached = None
+            if cfg.get("agent", False):
+                from pipelines.store_agent import AgentOutbox
+
+                reached = AgentOutbox.reach(cfg)
+            cls.opened[key] = reached or cls(cfg)
         return cls.opened[key]
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, opened: "OpenStore | None" = None, down: str | None = None):
+        """`opened`: a store an agent keeps open, shared by its outboxes (one per command it serves, and no
+        catching up here: the agent does that per command); `down`: why the store is known not to answer (every
+        record is kept); neither: opened here, then caught up."""
         self.cfg, self.folder = cfg, outbox_dir(cfg)
-        self.down: str | None = None
-        self.client: Any = None
-        self.experiment_id = ""
+        self.down: str | None = down
+        self.store = opened
         self.console = Console()
         self.records: queue.Queue = queue.Queue()
         self.changed = threading.Condition()
         self.letters: list[Letter] = []
         self.caught_up = threading.Event()
-        quick_http(cfg)
-        try:
-            self.open()
-        except RegraftError:
-            raise  # a store regraft cannot use at all (not migratable): the user's to fix, said before any work
-        except Exception as exc:  # noqa: BLE001 (any failure to reach the store is an outage, never the run's end)
-            self.down = first_line(exc)
+        if opened is None and down is None:
+            quick_http(cfg)
+            try:
+                self.store = OpenStore.of(cfg)
+            except RegraftError:
+                raise  # a store regraft cannot use at all (not migratable): the user's to fix, said before any work
+            except Exception as exc:  # noqa: BLE001 (any failure to reach the store is an outage, never the run's end)
+                self.down = first_line(exc)
         threading.Thread(target=self.send, name=f"outbox {cfg.uri}", daemon=True).start()
-        if self.down is None:
+        if self.down is None and opened is None:
             self.records.put((None, self.catch_up))
         else:
             self.caught_up.set()
-        atexit.register(self.close_all)
+        if opened is None:  # an agent's outboxes end with their commands
+            atexit.register(self.close_all)
 
-    def open(self) -> None:
-        import mlflow
-        from mlflow.tracking import MlflowClient
+    @property
+    def client(self) -> Any:
+        return self.store.client if self.store else None
 
-        mlflow.set_tracking_uri(self.cfg.uri)
-        with store_lock(self.cfg.uri):  # created and migrated once, by whichever run comes first
-            repair_store(self.cfg.uri)
-            self.client = MlflowClient(self.cfg.uri)
-            self.experiment_id = experiment(self.client, self.cfg.experiment,
-                                            Path(self.cfg.artifact_location).absolute().as_uri())
-        self.writer = StoreWriter(self.client, self.cfg, self.experiment_id)
+    @property
+    def experiment_id(self) -> str:
+        return self.store.experiment_id if self.store else ""
+
+    @property
+    def writer(self) -> StoreWriter:
+        return self.store.writer
 
     def answering(self) -> bool:
-        return self.down is None and self.client is not None
+        return self.down is None and self.store is not None
+
+    def runs_link(self, sweep: str | None) -> str | None:
+        """The link to the runs table (pipelines/tracking.py runs_link); None while the store does not answer."""
+        from pipelines.tracking import runs_link
+
+        return runs_link(self.client, self.experiment_id, self.cfg, sweep) if self.answering() else None
 
     def new_handle(self) -> str:
         return f"h{next(self.handles)}"
@@ -158,6 +178,8 @@ class Outbox:
         """The writer thread: each record to the store in order, or, once the store is down, to its letter's file."""
         while True:
             letter, record = self.records.get()
+            if record is None:
+                return
             if letter is None:
                 self.attempt(record)
                 self.caught_up.set()
@@ -169,6 +191,10 @@ class Outbox:
             with self.changed:
                 letter.outstanding -= 1
                 self.changed.notify_all()
+
+    def stop(self) -> None:
+        """The writer thread ends once what is queued is sent (an agent's outbox, when its command is done)."""
+        self.records.put((None, None))
 
     def attempt(self, call: Callable[[], None]) -> None:
         try:
@@ -191,18 +217,24 @@ class Outbox:
     def close(self, letter: Letter) -> None:
         """Wait until every record of the letter is sent or kept (bounded by the http timeouts), and say in one line
         what was kept and how it will be sent."""
+        self.wait(letter)
+        say(self.console, self.closing_words(letter))
+
+    def wait(self, letter: Letter) -> None:
         with self.changed:
             self.changed.wait_for(lambda: letter.outstanding == 0)
+
+    def closing_words(self, letter: Letter) -> str | None:
+        """What a sent letter leaves to say: what the store did not take and where it waits; None when it took all."""
         if letter.unkept:
-            self.console.print(
-                f"[yellow]tracking:[/yellow] {self.cfg.uri} stopped answering ({self.down}) and {letter.path} could "
-                f"not keep what it did not take ({letter.unkept}); every figure is in this run's stage outputs, and "
-                "the same command run again logs them as cache hits", highlight=False, soft_wrap=True)
-        elif letter.kept:
-            self.console.print(
-                f"[yellow]tracking:[/yellow] {self.cfg.uri} stopped answering ({self.down}); {len(letter.kept)} "
-                f"updates of this run are kept in {letter.path} and go to MLflow with the next regraft command, or "
-                f"now with `python -m pipelines.outbox {self.folder}`", highlight=False, soft_wrap=True)
+            return (f"{self.cfg.uri} stopped answering ({self.down}) and {letter.path} could not keep what it did "
+                    f"not take ({letter.unkept}); every figure is in this run's stage outputs, and the same command "
+                    "run again logs them as cache hits")
+        if letter.kept:
+            return (f"{self.cfg.uri} stopped answering ({self.down}); {len(letter.kept)} updates of this run are kept "
+                    f"in {letter.path} and go to MLflow with the next regraft command, or now with "
+                    f"`python -m pipelines.outbox {self.folder}`")
+        return None
 
     def close_all(self) -> None:
         for letter in self.letters:
@@ -212,14 +244,45 @@ class Outbox:
     # --- catching up: kept letters of gone processes, then runs they left RUNNING --------------------------------
 
     def catch_up(self) -> None:
-        sent = send_kept(self.folder, self.writer, self.cfg)
-        closed = close_orphans(self.client, self.experiment_id)
-        if sent:
-            self.console.print(f"[yellow]tracking:[/yellow] sent {sent} updates that an outage had kept in "
-                               f"{self.folder}", highlight=False, soft_wrap=True)
-        if closed:
-            self.console.print(f"[yellow]tracking:[/yellow] closed {closed} runs left RUNNING by regraft processes "
-                               "that are gone (status KILLED, tag closed_because)", highlight=False, soft_wrap=True)
+        for words in catch_up_store(self.store, self.cfg):
+            say(self.console, words)
+
+
+def say(console: Console, words: str | None) -> None:
+    if words:
+        console.print(f"[yellow]tracking:[/yellow] {words}", highlight=False, soft_wrap=True)
+
+
+@dataclass
+class OpenStore:
+    """A store opened for writing (created or migrated first, once, under its lock): the client, the experiment's id
+    and the writer that applies records."""
+
+    client: Any
+    experiment_id: str
+    writer: StoreWriter
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> "OpenStore":
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        mlflow.set_tracking_uri(cfg.uri)
+        with store_lock(cfg.uri):  # created and migrated once, by whichever run comes first
+            repair_store(cfg.uri)
+            client = MlflowClient(cfg.uri)
+            experiment_id = experiment(client, cfg.experiment, Path(cfg.artifact_location).absolute().as_uri())
+        return cls(client, experiment_id, StoreWriter(client, cfg, experiment_id))
+
+
+def catch_up_store(store: OpenStore, cfg: DictConfig) -> list[str]:
+    """What gone processes left: their kept letters sent, their RUNNING runs closed; a line for each that happened."""
+    sent = send_kept(outbox_dir(cfg), store.writer, cfg)
+    closed = close_orphans(store.client, store.experiment_id)
+    return [words for count, words in (
+        (sent, f"sent {sent} updates that an outage had kept in {outbox_dir(cfg)}"),
+        (closed, f"closed {closed} runs left RUNNING by regraft processes that are gone (status KILLED, tag "
+                 "closed_because)")) if count]
 
 
 def experiment(client: Any, name: str, artifact_location: str) -> str:

@@ -113,6 +113,10 @@ class TrackingConfig:
     timeout_s: float = setting(10.0, at_least=1)
     retries: int = setting(1, at_least=0)
     outbox: str = "${paths.outputs}/outbox"
+    # one process per store keeps MLflow imported and the store open between commands (pipelines/store_agent.py): a
+    # rerun of cache hits pays neither; it ends after agent_idle_s without a command. false: each command opens it
+    agent: bool = True
+    agent_idle_s: float = setting(600.0, above=0)
 
 
 @dataclass

@@ -156,10 +156,7 @@ class Tracker:
     def runs_link(self) -> str | None:
         """The runs table on every pipeline's parent run, this one's sweep only if it is a sweep member; None while
         the store does not answer."""
-        if not self.outbox.answering():
-            return None
-        sweep = self.invocation.tags.get("sweep")
-        return runs_link(self.outbox.client, self.outbox.experiment_id, self.cfg, sweep)
+        return self.outbox.runs_link(self.invocation.tags.get("sweep"))
 
 
 def plain_numbers(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -202,15 +199,10 @@ def sweep_link(cfg: DictConfig, sweep: str) -> str | None:
     """The link for a finished sweep, from its config (the sweep callback has no tracker)."""
     if not cfg.enabled:
         return None
-    from mlflow.tracking import MlflowClient
+    from pipelines.outbox import Outbox
 
-    from pipelines.outbox import quick_http
-
-    quick_http(cfg)
-    client = MlflowClient(cfg.uri)
     try:
-        experiment = client.get_experiment_by_name(cfg.experiment)
-        return runs_link(client, experiment.experiment_id, cfg, sweep) if experiment else None
+        return Outbox.of(cfg).runs_link(sweep)
     except Exception:  # noqa: BLE001 (a store that does not answer: its members said so, the link can wait)
         return None
 

@@ -3,6 +3,7 @@ once per test session from the same code the built-in example uses."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import torch
 from stages.common.contract.runtime import set_process_defaults
 
 set_process_defaults()
+# each test's regraft commands use a store of their own for a minute: its agent (pipelines/store_agent.py) ends soon
+os.environ.setdefault("REGRAFT_AGENT_IDLE_S", "20")
 
 from stages import finetune, vocab_map  # noqa: E402
 from stages.common.drafter.config import drafter_config_for  # noqa: E402
@@ -29,6 +32,15 @@ def pytest_collection_modifyitems(config, items):
     if long:
         config.hook.pytest_deselected(items=long)
         items[:] = [item for item in items if not item.get_closest_marker("long")]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_store_agent_outlives_the_session(tmp_path_factory):
+    """The agents of the stores this session made end with it (a store elsewhere keeps its agent)."""
+    yield
+    from pipelines.store_agent import stop_agents
+
+    stop_agents(str(tmp_path_factory.getbasetemp()))
 
 
 USER_WORDS = "alpha bravo charlie kilo lima mike"

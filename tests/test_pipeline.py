@@ -125,6 +125,7 @@ def test_a_second_run_runs_nothing_yet_tracks_every_stage(first_run, outputs):
     assert done.returncode == 0, done.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "omegaconf" in imported and "torch" not in imported  # no stage runs here, so neither torch nor stage code
+    assert "mlflow" not in imported  # the store's agent keeps it (pipelines/store_agent.py)
     assert not {name for name in imported if name.startswith("stages.") and name.split(".")[1] in NODE_STAGES}
     again = last_summary(outputs)
     assert ran(again) == set()
