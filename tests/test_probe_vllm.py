@@ -153,24 +153,41 @@ def test_a_token_mismatch_names_the_turn_and_token():
     probe.check_same_tokens(rows, [[1, 2, 3, 4]], "vLLM's plain greedy decoding", "out")
 
 
-@pytest.mark.xfail(raises=RegraftError, strict=False,
-                   reason="open finding (2026-12-06): since the world's chats ask by kind, vLLM 0.32's CPU build refuses "
-                          "to start this float32 MLA target + drafter ('expect weight to be bfloat16, float16, int8, ...'); "
-                          "it passed before on the old world's fixtures; not yet traced")
-def test_vllm_loads_and_drafts_with_an_mla_export(engine_mla_target, chats, training_map, tmp_path):
+# A CPU with AMX, as vLLM sees one: every AMX check in vLLM asks torch.cpu._is_amx_tile_supported. On such a CPU
+# vLLM 0.32 takes its AMX MLA backend for any dtype, whose weight packing refuses float32 ("expect weight to be
+# bfloat16, float16, int8, ..."): the engine worker asks for the reference CPU_MLA backend then
+# (vllm_worker.reference_mla_needed).
+AMX_CPU = """#!/bin/sh
+exec {python} -c 'import runpy, sys, torch
+torch.cpu._is_amx_tile_supported = lambda: True
+sys.argv[0] = "vllm_worker"
+runpy.run_module("stages.common.engines.vllm_worker", run_name="__main__")'
+"""
+
+
+@pytest.mark.parametrize("cpu", ["this", "amx"])
+def test_vllm_loads_and_drafts_with_an_mla_export(cpu, engine_mla_target, chats, training_map, tmp_path):
     """The MLA export as vLLM's registry loads it (Eagle3DeepseekV2ForCausalLM; vLLM raises on a tensor it has no
-    place for) beside an MLA target, drafting: what vLLM's CPU build can show of an MLA drafter (MLA_ON_VLLM)."""
-    from stages.common.engines.vllm_engine import served_drafter
+    place for) beside an MLA target, drafting: what vLLM's CPU build can show of an MLA drafter (MLA_ON_VLLM); on
+    this CPU and on one with AMX (AMX_CPU), where vLLM's own choice of MLA backend would refuse float32."""
+    from stages.common.engines.vllm_engine import engine_python, served_drafter
 
     finetune.run(finetune_cfg(engine_mla_target, chats, training_map, tmp_path / "ft", "init=scratch",
                               "family=mla3.1", "max_steps=2"))
     served = served_drafter(tmp_path / "ft" / "drafter", tmp_path / "served", engine_mla_target)
     assert json.loads((served / "config.json").read_text())["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
-    with VllmEngine(VllmConfig(), tmp_path / "engine.log") as engine:
+    config = VllmConfig()
+    if cpu == "amx":
+        wrapper = tmp_path / "python-on-amx"
+        wrapper.write_text(AMX_CPU.format(python=engine_python(config)))
+        wrapper.chmod(0o755)
+        config = VllmConfig(python=str(wrapper))
+    with VllmEngine(config, tmp_path / "engine.log") as engine:
         engine.start(engine_mla_target, speculative={"method": "eagle3", "model": str(served),
                                                      "num_speculative_tokens": STEPS})
         answer = engine.generate([[1, 2, 3, 4]], 8)
     assert len(answer["outputs"][0]) == 8 and answer["counters"]["vllm:spec_decode_num_drafts"] > 0
+    assert "Using CPU_MLA backend" in (tmp_path / "engine.log").read_text()
 
 
 def test_engines_asked_to_start_one_at_a_time_do(engine_target, tmp_path):

@@ -64,7 +64,29 @@ def engine(spec: dict):
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer"])
+    if reference_mla_needed(spec.get("dtype"), spec["model"]):
+        kwargs["attention_backend"] = "CPU_MLA"
+    drafter = (spec.get("speculative") or {}).get("model")
+    if drafter and reference_mla_needed(spec.get("dtype"), drafter):  # the drafter's backend is chosen on its own
+        kwargs["speculative_config"] = {**spec["speculative"], "attention_backend": "CPU_MLA"}
     return LLM(**kwargs)
+
+
+def reference_mla_needed(dtype: str | None, model: str) -> bool:
+    """A float32 (or float16) MLA model on a CPU: vLLM 0.32's CPU build picks its AMX MLA backend wherever the CPU
+    has AMX (platforms/cpu.py get_attn_backend_cls), whatever the dtype, and that backend packs the MLA weights with
+    a kernel that takes bfloat16 (float16, int8) only ("expect weight to be bfloat16, float16, int8, ..."), so the
+    engine would not start. Such a model asks for the reference CPU_MLA backend, the one CPUs without AMX get."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or dtype in ("bfloat16", "bf16"):
+        return False
+    try:
+        with open(os.path.join(model, "config.json")) as config:
+            text = json.load(config)
+    except (OSError, ValueError):
+        return False
+    return "kv_lora_rank" in {**text, **text.get("text_config", {})}
 
 
 def counters(llm) -> dict:
