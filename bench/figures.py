@@ -70,8 +70,8 @@ def default_run_block(run: Path, summary: dict) -> str:
     said = (f"Run `{run.name}` ({when:%Y-%m-%d}, commit `{run_commit(run, summary)}`, "
             f"{summary['wall_seconds']:.0f} s of wall time). Its world: digest `{world.get('digest', 'none recorded')}`, "
             f"built in {world['metrics']['seconds_total']:.0f} s on {cpu.get('threads', '?')} thread(s) under ATen "
-            f"{cpu.get('cpu_capability', '?')} and MKL {cpu.get('mkl_cbwr', '?')} (the same on every x86 CPU: "
-            f"stages/common/contract/runtime.py). Written by `bench/figures.py` (`make figures`).")
+            f"{cpu.get('cpu_capability', '?')} and MKL {cpu.get('mkl_cbwr', '?')} (the same on every x86 CPU of "
+            f"one vendor, not yet across vendors: docs/world.md). Written by `bench/figures.py` (`make figures`).")
     return "```\n" + "\n".join(lines) + "\n```\n\n" + "\n".join(textwrap.wrap(said, width=118)) + "\n"
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from stages.common.contract.runtime import SAME_ON_EVERY_CPU
-from tests.test_world import TINY_WORLD_DIGEST
+from tests.test_world import tiny_world_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 # what a process does with no help: the machine's own choices, written as the settings that would make them
@@ -64,4 +64,4 @@ def test_world_tiny_has_one_digest_on_two_emulated_cpus(tmp_path):
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["cpu"]["in_effect"], manifest["cpu"]
         digests[name] = manifest["digest"]
-    assert set(digests.values()) == {TINY_WORLD_DIGEST}, digests
+    assert set(digests.values()) == {tiny_world_digest()}, digests

@@ -22,12 +22,29 @@ from stages.world.toy import generate_answers
 FILES = ["tokenizer", "data_a.jsonl", "target_a", "target_b", "data_b.jsonl", "prompts_b.jsonl", "prompts_b_prose.jsonl",
          "prompts_b_code.jsonl", "manifest.json"]
 DRAFT_VOCAB = 128  # the tiny source drafter's (conf/debug/tiny.yaml)
-# world=tiny's digest (manifest "digest": its weights and data, stages/world/__init__.py::digest), the same on every
-# x86 CPU (tests/test_determinism.py). It changes with the world's code or config, the corpus (this Python's stdlib
-# docstrings) and the versions of torch/MKL, transformers and tokenizers. When it changes on purpose, paste the new
-# one from `python -c "from stages import world; from stages.common.contract.stage import compose_stage;
-# print(world.run(compose_stage('world', ['out=/tmp/tiny'], option='tiny')).out)"` (then /tmp/tiny/manifest.json).
-TINY_WORLD_DIGEST = "b8384172c576d16ccdcd2022fd8d28bd0874450527335e6385ef15193d345554"
+# world=tiny's digest (manifest "digest": its weights and data, stages/world/__init__.py::digest), per CPU vendor:
+# the same on every x86 CPU of one vendor (tests/test_determinism.py), but an AMD EPYC builds another world than the
+# Intel Xeons before it (seen 2026-12-06, same code, Python, torch and settings in effect; not yet traced to an op).
+# It changes with the world's code or config, the corpus (this Python's stdlib docstrings) and the versions of
+# torch/MKL, transformers and tokenizers. When it changes on purpose, paste the new one from `python -c "from stages
+# import world; from stages.common.contract.stage import compose_stage; print(world.run(compose_stage('world',
+# ['out=/tmp/tiny'], option='tiny')).out)"` (then /tmp/tiny/manifest.json), on each vendor's CPU.
+TINY_WORLD_DIGESTS = {"GenuineIntel": "b8384172c576d16ccdcd2022fd8d28bd0874450527335e6385ef15193d345554",
+                      "AuthenticAMD": "319498cd6ce62cdf8b411f230e45e45f0d3cc14760fa1f5de6ab228e19867d56"}
+
+
+def cpu_vendor() -> str:
+    """This machine's x86 vendor id (GenuineIntel, AuthenticAMD), from /proc/cpuinfo."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def tiny_world_digest() -> str:
+    vendor = cpu_vendor()
+    assert vendor in TINY_WORLD_DIGESTS, f"no world=tiny digest pinned for {vendor} CPUs yet: build it and pin it"
+    return TINY_WORLD_DIGESTS[vendor]
 
 
 def build(out: Path, *extra: str):
@@ -144,7 +161,7 @@ def test_the_two_eval_sets_are_held_out_and_differ_in_kind(built, cfg):
 def test_world_tiny_has_the_pinned_digest(built):
     manifest = read_manifest(built)
     assert manifest["cpu"]["in_effect"], manifest["cpu"]
-    assert manifest["digest"] == world.digest(built) == TINY_WORLD_DIGEST
+    assert manifest["digest"] == world.digest(built) == tiny_world_digest()
 
 
 def test_the_same_seed_builds_the_same_world(built, tmp_path):
