@@ -130,12 +130,20 @@ def main() -> None:
     if args.write:
         from bench.figures import write_blocks
 
-        said = (f"Written by `bench/warm_rerun.py --write` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "
+        said = (f"Written by `bench/warm_rerun.py --write` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores of "
+                f"{cpu_model()}, "
                 f"{args.repeat} plain reruns per checkout) on a default run's outputs (each checkout's own where "
                 "their stages' code differs). Parts are main-thread cumulative seconds under cProfile, which slows "
                 "Python code; they overlap where one part runs inside another (the DAG records its hits through "
                 "tracking).")
         write_blocks({"warm-rerun": "```\n" + text + "\n```\n\n" + "\n".join(textwrap.wrap(said, 118)) + "\n"})
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "an unknown CPU"
 
 
 def table(results: dict[Path, dict], names: list[str]) -> str:
