@@ -55,11 +55,15 @@ def agent_folder() -> Path:
 def agent_settings(cfg: DictConfig) -> dict[str, Any]:
     """What an agent needs of `tracking` (resolved): the store, where its artifacts and kept letters go, the limits."""
     from pipelines.outbox import outbox_dir
+    from pipelines.store import sqlite_file
 
     keys = ("uri", "experiment", "artifact_location", "copy_checkpoints", "max_artifact_mb", "timeout_s", "retries")
     settings = {key: cfg.get(key) for key in keys}
     settings["outbox"] = str(outbox_dir(cfg).absolute())
     settings["artifact_location"] = str(Path(settings["artifact_location"]).absolute())
+    database = sqlite_file(settings["uri"])
+    if database is not None and not database.is_absolute():  # the agent's folder is not the command's
+        settings["uri"] = settings["uri"].replace(str(database), str(database.absolute()), 1)
     return settings
 
 

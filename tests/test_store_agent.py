@@ -4,6 +4,7 @@ the store open between them, ends when idle, and refuses a store regraft cannot 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -40,9 +41,10 @@ def agent_cfg(outputs: Path, idle_s: float = 60.0):
                              "outbox": str(outputs / "outbox"), "agent": True, "agent_idle_s": idle_s})
 
 
-def command(cfg, seed: int) -> dict:
+def command(cfg, seed: int, cwd: Path = ROOT) -> dict:
     done = subprocess.run([sys.executable, "-c", COMMAND, json.dumps(OmegaConf.to_container(cfg)), str(seed)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -87,6 +89,17 @@ def test_an_idle_agent_ends_and_the_next_command_starts_another(tmp_path):
     assert agent_log(cfg).rstrip().endswith("done")
     command(cfg, 2)
     assert agent_log(cfg).count("store opened") == 2
+
+
+def test_a_relative_store_is_the_commands_own(tmp_path):
+    """`paths.outputs` is relative by default: the agent writes where the command would, whatever its own folder."""
+    from mlflow.tracking import MlflowClient
+
+    relative = OmegaConf.create({**OmegaConf.to_container(agent_cfg(Path("outputs"))), "agent_idle_s": 5.0})
+    ran = command(relative, 3, cwd=tmp_path)
+    run = MlflowClient(f"sqlite:///{tmp_path}/outputs/mlflow.db").get_run(ran["parent"])
+    assert run.data.metrics == {"phase1/accept_len": 3.0}  # in the command's folder's store, not the agent's
+    assert stop_agents(str(tmp_path)) == 1
 
 
 def test_each_store_has_its_own_agent(tmp_path):
