@@ -112,8 +112,10 @@ class AgentOutbox:
 
         self.cfg, self.path, self.console = cfg, path, Console()
         self.streams: dict[int, BinaryIO] = {}
+        self.sending = threading.Lock()  # a Tracker may queue from more than one thread: one line at a time
         self.broken: str | None = None  # the agent went away
         self.down: str | None = None  # the store stopped answering the agent
+        self.instead: Outbox | None = None  # the agent was gone before a command began: it opens the store itself
         self.handles = iter(range(1 << 62))
 
     @classmethod
@@ -147,10 +149,16 @@ class AgentOutbox:
 
     def letter(self, owner: dict[str, str]) -> "Letter":
         """A command's connection: the agent answers once what gone processes left is caught up."""
-        from pipelines.outbox import Letter, say
+        from pipelines.outbox import Letter, Outbox, say
         from stages.common.contract.errors import RegraftError
 
-        stream, answer = self.ask({"letter": owner})
+        if self.instead is None:
+            try:
+                stream, answer = self.ask({"letter": owner})
+            except (OSError, EOFError):
+                self.instead = Outbox(self.cfg)
+        if self.instead is not None:
+            return self.instead.letter(owner)
         if "path" not in answer:  # the store stopped answering since this command reached the agent
             raise RegraftError(None, answer.get("refused") or f"{self.cfg.uri} does not answer: {answer.get('down')}",
                                "start the tracking server (or set tracking.uri=), then rerun")
@@ -161,9 +169,12 @@ class AgentOutbox:
         return letter
 
     def put(self, letter: "Letter", record: dict[str, Any]) -> None:
+        if id(letter) not in self.streams:
+            return self.instead.put(letter, record)
         if self.broken is None:
             try:
-                send(self.streams[id(letter)], {"record": record})
+                with self.sending:
+                    send(self.streams[id(letter)], {"record": record})
             except OSError as exc:
                 self.lost(exc)
 
@@ -171,11 +182,14 @@ class AgentOutbox:
         """Wait until the agent sent or kept every record of the letter; say what it kept, as a command would."""
         from pipelines.outbox import say
 
+        if id(letter) not in self.streams:
+            return self.instead.close(letter)
         answer = None
         if self.broken is None:
             try:
-                send(self.streams[id(letter)], {"close": True})
-                answer = receive(self.streams[id(letter)])
+                with self.sending:
+                    send(self.streams[id(letter)], {"close": True})
+                    answer = receive(self.streams[id(letter)])
             except OSError as exc:
                 self.lost(exc)
         if answer is None:
@@ -190,6 +204,8 @@ class AgentOutbox:
 
     def runs_link(self, sweep: str | None) -> str | None:
         """The link to the runs table; None while the store does not answer (the run said so; the link can wait)."""
+        if self.instead is not None:
+            return self.instead.runs_link(sweep)
         if not self.answering():
             return None
         try:

@@ -125,3 +125,20 @@ def test_a_store_that_cannot_be_migrated_is_refused_through_the_agent_in_one_lin
     message = str(error.value)
     assert "\n" not in message and str(tmp_path / "outputs" / "mlflow.db") in message
     assert "deadbeef0000" in message and f"mv {tmp_path / 'outputs' / 'mlflow.db'}" in message
+
+
+def test_a_command_whose_agent_went_away_opens_the_store_itself(tmp_path, monkeypatch):
+    """The agent answered, then ended before the command's first record (killed, say): the command's Tracker opens
+    the store here, as with tracking.agent=false, and every record still lands."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.store_agent import AgentOutbox
+
+    cfg = agent_cfg(tmp_path / "outputs")
+    monkeypatch.setattr(AgentOutbox, "reach", classmethod(lambda cls, cfg: cls(cfg, tmp_path / "gone.sock")))
+    Outbox.opened.clear()
+    tracker = Tracker(cfg, invocation(["finetune.seed=4"]), tags={})
+    tracker.finish("FINISHED", {}, {"phase1/accept_len": 4.0}, [])
+    assert MlflowClient(cfg.uri).get_run(tracker.parent_id).data.metrics == {"phase1/accept_len": 4.0}
+    assert tracker.runs_link().startswith("http://127.0.0.1:5000/#/experiments/")
+    Outbox.opened.clear()
