@@ -131,7 +131,7 @@ class AgentOutbox:
         outbox = cls(cfg, path)
         for _ in range(2):  # a second try when the agent found ended just as it was reached
             if not listening(path):
-                start_agent(path, settings, float(cfg.get("agent_idle_s", 600.0)))
+                start_agent(path, settings, float(cfg.agent_idle_s))
             try:
                 answer = outbox.ask({"ping": True})[1]
             except (OSError, EOFError):
