@@ -62,8 +62,12 @@ $(REF_STAMP):
 run: $(STAMP)
 	$(BIN)/regraft $(ARGS)
 
+# Two xdist workers: most tests wait on processes of their own (a pipeline's stages, servers, Slurm) about half the
+# time, so two of them share 2 cores well. Groups keep a module's fixtures, the Slurm cluster and the vLLM engines
+# on one worker each (tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # the figure blocks of README.md and docs/, written from the default run (cached stages make a second call take seconds)
 figures: $(STAMP)

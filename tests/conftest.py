@@ -23,15 +23,47 @@ from stages.common.contract.stage import compose_stage  # noqa: E402
 from stages.common.drafter.vocab import VocabMap  # noqa: E402
 from stages.world import toy  # noqa: E402
 
+# Groups that must stay on one xdist worker whatever module they are in: the session's one Slurm cluster, and
+# the vLLM engines (they start one at a time machine-wide, and a test times two of them starting).
+SHARED_BY_MARK = ("slurm", "engine")
+# The groups that take longest (a full-suite --durations on 2 cores), handed out first so that no worker is left
+# alone with one of them at the end; the others follow in file order.
+LONGEST_FIRST = ("engine", "slurm", "tests/test_pipeline.py", "tests/test_sweep.py", "tests/test_faults.py",
+                 "tests/test_race.py")
+
+
+def worker_group(item: pytest.Item) -> str:
+    """The tests one xdist worker runs together: those sharing a machine-wide resource, else the module's (so a
+    module's fixtures are built once)."""
+    for mark in SHARED_BY_MARK:
+        if item.get_closest_marker(mark):
+            return mark
+    return item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (`make test`: -n 2 --dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     """`long` tests run only when a -m expression names them, so `-m "not slow"` and `-m engine` still leave them
-    out (an -m in addopts would be replaced by the command line's)."""
-    if "long" in (config.getoption("markexpr") or ""):
-        return
-    long = [item for item in items if item.get_closest_marker("long")]
-    if long:
-        config.hook.pytest_deselected(items=long)
-        items[:] = [item for item in items if not item.get_closest_marker("long")]
+    out (an -m in addopts would be replaced by the command line's). Each test gets its xdist group, and the
+    longest groups come first (xdist hands them out in this order with --no-loadscope-reorder)."""
+    if "long" not in (config.getoption("markexpr") or ""):
+        long = [item for item in items if item.get_closest_marker("long")]
+        if long:
+            config.hook.pytest_deselected(items=long)
+            items[:] = [item for item in items if not item.get_closest_marker("long")]
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection is the order its controller hands out
+        rank = {group: index for index, group in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(worker_group(item), len(rank)))  # stable: file order within a rank
+
+
+def pytest_collection_finish(session):
+    """A worker whose groups did not take would share the Slurm cluster and the engines with the other one: stop."""
+    grouping = session.config.getvalue("loadgroup") if os.environ.get("PYTEST_XDIST_WORKER") else False
+    if grouping and session.items and "@" not in session.items[0].nodeid:
+        raise pytest.UsageError("--dist loadgroup grouped nothing (pytest-xdist#1386, pytest 9.2): install "
+                                "pytest<9.2 as pyproject.toml's dev extra pins it, or run without -n")
 
 
 @pytest.fixture(scope="session", autouse=True)

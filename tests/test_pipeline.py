@@ -207,15 +207,15 @@ def test_a_run_killed_while_holding_a_stage_lock_does_not_block_the_next(first_r
 
 
 def test_sigterm_cancels_the_running_stages_and_marks_the_runs_killed(tmp_path):
-    def processes() -> list[str]:
-        return subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    def processes() -> list[tuple[int, str]]:  # (session id, command line): the run leads a session of its own
+        lines = subprocess.run(["ps", "-eo", "sid=,args="], capture_output=True, text=True).stdout.splitlines()
+        return [(int(sid), args) for sid, _, args in (line.strip().partition(" ") for line in lines)]
 
-    # a warm interpreter another test of this session started (this pytest process's own) is not this run's
-    others = {line for line in processes() if "pipelines.warm" in line}
     # a world that trains long: the tiny one can finish within the 3 s a cancelled stage is given to end, and is then
     # complete (seen in full-suite runs on idle cores)
     command = [sys.executable, "-m", "pipelines.regraft", f"paths.outputs={tmp_path}", *TINY, "world.steps_a=5000"]
-    run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
     lines = []
     while not any("dispatched" in line for line in lines):
         lines.append(run.stdout.readline())
@@ -234,9 +234,8 @@ def test_sigterm_cancels_the_running_stages_and_marks_the_runs_killed(tmp_path):
     assert parent.info.status == "KILLED" and world_run.info.status == "KILLED"
     assert world_run.data.tags["error"] == "cancelled: regraft was interrupted"
 
-    def leftovers() -> str:  # the run's job controllers, clients and warm interpreter
-        return "\n".join(line for line in processes()
-                         if str(tmp_path) in line or ("pipelines.warm" in line and line not in others))
+    def leftovers() -> str:  # the run's job controllers, clients and warm interpreter (what other tests run is not)
+        return "\n".join(args for sid, args in processes() if sid == run.pid or str(tmp_path) in args)
 
     for _ in range(100):
         if not leftovers():
