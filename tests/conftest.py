@@ -22,14 +22,16 @@ from stages.common.drafter.eagle3 import Eagle3Drafter  # noqa: E402
 from stages.common.contract.stage import compose_stage  # noqa: E402
 from stages.common.drafter.vocab import VocabMap  # noqa: E402
 from stages.world import toy  # noqa: E402
+from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (defined here once: one cluster per session)
 
 # Groups that must stay on one xdist worker whatever module they are in: the session's one Slurm cluster, and
 # the vLLM engines (they start one at a time machine-wide, and a test times two of them starting).
 SHARED_BY_MARK = ("slurm", "engine")
-# The groups that take longest (a full-suite --durations on 2 cores), handed out first so that no worker is left
-# alone with one of them at the end; the others follow in file order.
-LONGEST_FIRST = ("engine", "slurm", "tests/test_pipeline.py", "tests/test_sweep.py", "tests/test_faults.py",
-                 "tests/test_race.py")
+# The groups that take longest, handed out first so that no worker is left alone with one of them at the end; the
+# others follow in file order. Their seconds in the whole suite on two workers (--durations, at d9b2f51 on 2 cores):
+# engine 625, slurm 616, test_faults 393, test_race 388, test_pipeline 387, test_sweep 228, the next 173.
+LONGEST_FIRST = ("engine", "slurm", "tests/test_faults.py", "tests/test_race.py", "tests/test_pipeline.py",
+                 "tests/test_sweep.py")
 
 
 def worker_group(item: pytest.Item) -> str:

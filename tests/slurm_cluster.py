@@ -11,9 +11,8 @@ machine, so each node is configured with what the machine has and half its memor
 In: a root shell on Debian/Ubuntu; the packages are installed with apt when `slurmctld` is missing (about 10 s).
 Out: `slurm_cluster`, a `SlurmCluster` (conf path, partition, env, folder); `SLURM_CONF` is exported into
 `os.environ` for the session, so `sbatch`/`squeue` and submitit's `SlurmExecutor` talk to this cluster.
-Use it from a test file (and mark the tests `slurm`):
-
-    from tests.slurm_cluster import slurm_cluster  # noqa: F401
+tests/conftest.py imports it, so every test file shares one cluster: ask for `slurm_cluster` and mark the test
+`slurm` (the mark also keeps every Slurm test on one xdist worker).
 
 Everything lives in one folder per session, `/tmp/regraft-slurm/<session>/`: a private munge key and socket
 (`AuthInfo=socket=...`, so the system's munged, if any, is neither needed nor touched), slurm.conf on free ports,

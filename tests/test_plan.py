@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["debug=tiny", "tracking.enabled=false"]
@@ -124,7 +123,7 @@ def test_a_plan_on_a_gpu_costs_the_same_flops_at_the_gpus_rate(ran):
 
 
 @pytest.mark.slurm
-def test_a_slurm_plan_writes_batch_scripts_sbatch_accepts(tmp_path, slurm_cluster):  # noqa: F811
+def test_a_slurm_plan_writes_batch_scripts_sbatch_accepts(tmp_path, slurm_cluster):
     done = regraft(tmp_path, *TINY, "pipeline.plan=true", "launcher=slurm",
                    f"launcher.resources.slurm_partition={slurm_cluster.partition}",
                    "launcher.resources.cpus_per_task=1", "launcher.per_stage.finetune.cpus_per_task=1",

@@ -19,7 +19,6 @@ import submitit
 
 from pipelines.slurm_jobs import dependency_of, job_state, wait_for
 from stages.common.contract.errors import RegraftError
-from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm
 
@@ -27,7 +26,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(autouse=True)
-def _cluster(slurm_cluster):  # noqa: F811  (every test here needs the cluster; all skip when it is down)
+def _cluster(slurm_cluster):  # every test here needs the cluster; all skip when it is down
     return slurm_cluster
 
 
@@ -78,7 +77,7 @@ def wait_until(job, state: str, timeout_s: float = 20.0) -> None:
 
 # ---- tests -----------------------------------------------------------------------------------------------------
 
-def test_result_and_completed(tmp_path, slurm_cluster):  # noqa: F811
+def test_result_and_completed(tmp_path, slurm_cluster):
     job = executor(tmp_path, slurm_cluster).submit(add, 2, 3)
     states = []
     assert wait_for([job], poll_s=0.2, timeout_s=60, on_state=lambda j, s: states.append(s)) == [5]
@@ -86,7 +85,7 @@ def test_result_and_completed(tmp_path, slurm_cluster):  # noqa: F811
     assert states[-1] == "COMPLETED"
 
 
-def test_afterok_chain_runs_in_order(tmp_path, slurm_cluster):  # noqa: F811
+def test_afterok_chain_runs_in_order(tmp_path, slurm_cluster):
     ex = executor(tmp_path, slurm_cluster)
     first = ex.submit(stamp_after, 2.0)
     ex.update_parameters(slurm_additional_parameters={"dependency": f"afterok:{first.job_id}"})
@@ -98,7 +97,7 @@ def test_afterok_chain_runs_in_order(tmp_path, slurm_cluster):  # noqa: F811
     assert second_start >= first_end
 
 
-def test_cancelled_job_ends_the_wait(tmp_path, slurm_cluster):  # noqa: F811
+def test_cancelled_job_ends_the_wait(tmp_path, slurm_cluster):
     job = executor(tmp_path, slurm_cluster).submit(stamp_after, 120.0)
     t0 = time.monotonic()
     with pytest.raises(RegraftError, match=r"CANCELLED.*\(fix: .*resubmit"):
@@ -107,7 +106,7 @@ def test_cancelled_job_ends_the_wait(tmp_path, slurm_cluster):  # noqa: F811
     assert job_state(job) == "CANCELLED"
 
 
-def test_exception_names_its_last_line_and_log(tmp_path, slurm_cluster):  # noqa: F811
+def test_exception_names_its_last_line_and_log(tmp_path, slurm_cluster):
     ex = executor(tmp_path, slurm_cluster)
     failing = ex.submit(boom, 42)
     ex.update_parameters(slurm_additional_parameters={"dependency": f"afterok:{failing.job_id}"})
@@ -123,12 +122,12 @@ def test_exception_names_its_last_line_and_log(tmp_path, slurm_cluster):  # noqa
     wait_until(dependent, "CANCELLED")
 
 
-def test_two_tasks_get_ranks_0_and_1(tmp_path, slurm_cluster):  # noqa: F811
+def test_two_tasks_get_ranks_0_and_1(tmp_path, slurm_cluster):
     job = executor(tmp_path, slurm_cluster, tasks_per_node=2).submit(rank)
     assert wait_for([job], poll_s=0.2, timeout_s=60) == [[0, 1]]
 
 
-def test_state_after_slurm_forgot_the_job_comes_from_its_results(tmp_path, slurm_cluster):  # noqa: F811
+def test_state_after_slurm_forgot_the_job_comes_from_its_results(tmp_path, slurm_cluster):
     ex = executor(tmp_path, slurm_cluster)
     ok, bad = ex.submit(add, 1, 2), ex.submit(boom, 1)
     with pytest.raises(RegraftError):
@@ -146,7 +145,7 @@ def test_state_after_slurm_forgot_the_job_comes_from_its_results(tmp_path, slurm
         wait_for([never], poll_s=0.2, unknown_grace_s=1.0)
 
 
-def test_time_limit_warning_ends_the_wait(tmp_path, slurm_cluster):  # noqa: F811
+def test_time_limit_warning_ends_the_wait(tmp_path, slurm_cluster):
     # submitit asks Slurm for USR2 signal_delay_s (90) before the limit; with a 1-minute limit slurmctld sends it
     # at its first time-limit check (every 30 s), and submitit's handler ends a non-checkpointable job: FAILED
     job = executor(tmp_path, slurm_cluster, timeout_min=1).submit(stamp_after, 600.0)
@@ -157,7 +156,7 @@ def test_time_limit_warning_ends_the_wait(tmp_path, slurm_cluster):  # noqa: F81
 
 
 @pytest.mark.long  # Slurm checks limits every 30 s: a real 1-minute limit takes 60-100 s to kill
-def test_time_limit_kill_ends_the_wait(tmp_path, slurm_cluster):  # noqa: F811
+def test_time_limit_kill_ends_the_wait(tmp_path, slurm_cluster):
     job = executor(tmp_path, slurm_cluster, timeout_min=1).submit(sleep_through_warning, 600.0)
     t0 = time.monotonic()
     with pytest.raises(RegraftError, match=r"ended TIMEOUT.*DUE TO TIME LIMIT.*\(fix: raise"):

@@ -36,7 +36,6 @@ from pipelines.slurm_jobs import job_state
 from stages.common.contract.stage import CONF_DIR
 from stages.common.contract.errors import RegraftError
 from tests.mlflow_checks import check_store
-from tests.slurm_cluster import slurm_cluster  # noqa: F401
 
 pytestmark = pytest.mark.slurm
 
@@ -112,7 +111,7 @@ PREBUILD = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def sweep(slurm_cluster, tmp_path_factory):  # noqa: F811
+def sweep(slurm_cluster, tmp_path_factory):
     """world, the source drafter and features in one plain process, then `regraft -m finetune.lr=A,B` on Slurm (member
     runs 0 and 1, one DAG: its jobs recorded in the sweep's own jobs folder)."""
     outputs = tmp_path_factory.mktemp("slurm_pipeline")
@@ -153,7 +152,7 @@ def test_sweep_submits_shared_stages_once(sweep):
     assert stages["finetune"]["out"] != summary(first)["finetune"]["out"]
 
 
-def test_one_dag_on_slurm_equals_the_sweep_member_by_member(sweep, slurm_cluster, tmp_path):  # noqa: F811
+def test_one_dag_on_slurm_equals_the_sweep_member_by_member(sweep, slurm_cluster, tmp_path):
     """The fixture's sweep (one DAG) against the same sweep with Hydra's basic launcher (member after member), in a
     fresh outputs folder that starts from the same prebuilt world, source drafter and features."""
     from mlflow.tracking import MlflowClient
@@ -183,7 +182,7 @@ def test_one_dag_on_slurm_equals_the_sweep_member_by_member(sweep, slurm_cluster
         assert untimed(ours[member]) == pytest.approx(untimed(theirs[member]), rel=1e-6)
 
 
-def test_a_sweep_has_all_its_finetunes_queued_at_once(sweep, slurm_cluster):  # noqa: F811
+def test_a_sweep_has_all_its_finetunes_queued_at_once(sweep, slurm_cluster):
     """Submitted up front with afterok: the four fine-tunes of a 4-member sweep are in Slurm's queue together."""
     outputs, _ = sweep
     lrs = ("1e-3", "4e-3", "6e-3", "7e-3")  # none another test here uses
@@ -216,7 +215,7 @@ def node_list(job_id: str) -> str:
     return re.search(r" NodeList=(\S+)", shown)[1]
 
 
-def test_rank_layouts_agree_one_rank_two_tasks_two_nodes(sweep, slurm_cluster):  # noqa: F811
+def test_rank_layouts_agree_one_rank_two_tasks_two_nodes(sweep, slurm_cluster):
     """One global batch three ways: 1 rank x accumulation 2 (the sweep's member), 1 node x 2 tasks, 2 nodes x 1
     task (rendezvous on the allocation's first node); each a cache key of its own."""
     outputs, (first, _) = sweep
@@ -245,7 +244,7 @@ def sbatch_options(run: Path, job_id: str) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH --([a-z-]+)=(\S+)$", script, re.M))
 
 
-def test_a_race_submits_every_rung_with_the_fine_tunes_tasks(sweep, slurm_cluster):  # noqa: F811
+def test_a_race_submits_every_rung_with_the_fine_tunes_tasks(sweep, slurm_cluster):
     """launcher.per_stage is by stage: every rung of a race (finetune nodes named by their candidates) gets
     finetune's 2 tasks and its time, the finalists' evaluations probe's time, `evaluate` its own node override."""
     outputs, _ = sweep
@@ -268,7 +267,7 @@ def test_a_race_submits_every_rung_with_the_fine_tunes_tasks(sweep, slurm_cluste
     assert summary(run)["evaluate"]["metrics"]["accept_len"] >= 1
 
 
-def test_feature_parts_across_nodes_rerun_only_the_cancelled_one(sweep, slurm_cluster):  # noqa: F811
+def test_feature_parts_across_nodes_rerun_only_the_cancelled_one(sweep, slurm_cluster):
     """features.parts=4 on 2 nodes: four jobs, each a cached output; one cancelled, the rerun computes only it, and
     the joined features equal the ones computed in one job (the sweep's, cached by the fixture)."""
     from stages.common.contract.artifacts import read_manifest
@@ -340,7 +339,7 @@ EPOCHS = 4  # per node: 36 steps on one rank, 32 on two
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster, nodes):  # noqa: F811
+def test_requeued_finetune_resumes_without_repeating_steps(sweep, slurm_cluster, nodes):
     from mlflow.tracking import MlflowClient
 
     outputs, _ = sweep
@@ -405,7 +404,7 @@ def stopped_while_finetuning(outputs: Path, cluster, name: str, lr: str, stop) -
     return code, log.read_text(), job_id, evaluate
 
 
-def test_cancelled_stage_job_ends_the_pipeline_with_one_line(sweep, slurm_cluster):  # noqa: F811
+def test_cancelled_stage_job_ends_the_pipeline_with_one_line(sweep, slurm_cluster):
     code, output, job_id, evaluate = stopped_while_finetuning(
         sweep[0], slurm_cluster, "cancel", "2e-3",
         lambda process, job: subprocess.run(["scancel", job], check=True, capture_output=True))
@@ -414,7 +413,7 @@ def test_cancelled_stage_job_ends_the_pipeline_with_one_line(sweep, slurm_cluste
     assert wait_until("evaluate cancelled", lambda: job_state(evaluate) == "CANCELLED", timeout_s=30)
 
 
-def test_sigterm_to_regraft_cancels_its_slurm_jobs(sweep, slurm_cluster):  # noqa: F811
+def test_sigterm_to_regraft_cancels_its_slurm_jobs(sweep, slurm_cluster):
     # as `kill`, or a scheduler ending the job regraft itself runs in
     code, output, job_id, evaluate = stopped_while_finetuning(
         sweep[0], slurm_cluster, "sigterm", "1.5e-3", lambda process, job: process.terminate())
