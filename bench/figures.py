@@ -116,6 +116,14 @@ def on_vllm(summary: dict, out: Path | None) -> tuple[dict, str] | None:
     return metrics, f"vllm {manifest.get('engine_versions', {}).get('vllm', '?')}"
 
 
+def cpu_model() -> str:
+    """The CPU's model name, for a figure's provenance (timings differ between CPUs)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "an unknown CPU"
+
+
 def code_commit(root: Path = ROOT) -> str:
     """HEAD of the checkout at `root`, `-dirty` when a tracked file other than README.md and docs/ differs from it:
     the figure blocks the bench scripts write into those pages do not make the code that computed them another

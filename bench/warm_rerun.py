@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.figures import code_commit  # noqa: E402
+from bench.figures import code_commit, cpu_model  # noqa: E402
 
 # (part, file suffix or suffixes, function): cumulative main-thread seconds of that function (summed over its calls)
 PARTS = (
@@ -137,13 +137,6 @@ def main() -> None:
                 "Python code; they overlap where one part runs inside another (the DAG records its hits through "
                 "tracking).")
         write_blocks({"warm-rerun": "```\n" + text + "\n```\n\n" + "\n".join(textwrap.wrap(said, 118)) + "\n"})
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "an unknown CPU"
 
 
 def table(results: dict[Path, dict], names: list[str]) -> str:
