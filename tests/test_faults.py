@@ -72,7 +72,9 @@ def test_a_tracking_server_killed_mid_run_costs_no_time_and_no_figure(tmp_path):
     tracked_s = time.perf_counter() - started
     out = "".join(lines) + rest
     assert run.returncode == 0, out[-3000:]
-    assert tracked_s < untracked_s + 30, (tracked_s, untracked_s)  # ~3 s of timeouts, never MLflow's 4.5 minutes
+    # ~3 s of timeouts, never MLflow's own retries (4.5 minutes); the bound leaves room for what the other xdist
+    # worker runs meanwhile, which moved one run against the other by 30 s in a full suite on 2 cores
+    assert tracked_s < untracked_s + 120, (tracked_s, untracked_s)
     said = [line for line in out.splitlines() if line.startswith("tracking:")]
     assert len(said) == 1 and "stopped answering" in said[0] and f"{outputs / 'outbox'}" in said[0], said
     assert list((outputs / "outbox").glob("*.json"))
