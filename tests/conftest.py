@@ -53,19 +53,20 @@ def pytest_collection_modifyitems(config, items):
         if long:
             config.hook.pytest_deselected(items=long)
             items[:] = [item for item in items if not item.get_closest_marker("long")]
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+    groups = {item: worker_group(item) for item in items}
+    for item, group in groups.items():
+        item.add_marker(pytest.mark.xdist_group(group))
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection is the order its controller hands out
         rank = {group: index for index, group in enumerate(LONGEST_FIRST)}
-        items.sort(key=lambda item: rank.get(worker_group(item), len(rank)))  # stable: file order within a rank
+        items.sort(key=lambda item: rank.get(groups[item], len(rank)))  # stable: file order within a rank
 
 
-def pytest_collection_finish(session):
-    """A worker whose groups did not take would share the Slurm cluster and the engines with the other one: stop."""
-    grouping = session.config.getvalue("loadgroup") if os.environ.get("PYTEST_XDIST_WORKER") else False
-    if grouping and session.items and "@" not in session.items[0].nodeid:
-        raise pytest.UsageError("--dist loadgroup grouped nothing (pytest-xdist#1386, pytest 9.2): install "
-                                "pytest<9.2 as pyproject.toml's dev extra pins it, or run without -n")
+def pytest_configure(config):
+    """Refused before any worker starts: on pytest 9.2, xdist's loadgroup groups nothing (pytest-xdist#1386), so two
+    workers would each start a Slurm cluster and engines (a worker's own check ends in an INTERNALERROR instead)."""
+    if config.getoption("dist", "no") == "loadgroup" and tuple(map(int, pytest.__version__.split(".")[:2])) >= (9, 2):
+        raise pytest.UsageError(f"--dist loadgroup groups nothing on pytest {pytest.__version__} (pytest-xdist#1386): "
+                                "install pytest<9.2 as pyproject.toml's dev extra pins it, or run with TEST_WORKERS=0")
 
 
 @pytest.fixture(scope="session", autouse=True)
