@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from stages.common.drafter.config import drafter_config_for
 from stages.common.drafter.eagle3 import Eagle3Drafter
-from stages.common.engines.vllm_engine import gpu_visible
+from stages.common.contract.hardware import gpu_visible
 from stages.world import toy
 from tests.conftest import random_map, write_chats
 

@@ -94,7 +94,8 @@ def test_an_in_process_cpu_engine_is_refused_for_kimi_before_any_work(kimi, targ
     """vLLM's CPU build serves Kimi-K2.5 out of process only: the probe's and the features' check names the fix; a
     Llama target, or the engine out of process, passes."""
     from stages.schemas import features as features_schema, probe as probe_schema
-    from stages.common.engines.vllm_engine import VllmConfig, gpu_visible
+    from stages.common.contract.hardware import gpu_visible
+    from stages.common.engines.vllm_engine import VllmConfig
 
     if gpu_visible():
         pytest.skip("this machine has a GPU: the CPU build's limits do not apply")

@@ -7,6 +7,7 @@ from typing import Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import register_schema, setting
 from stages.common.data.feature_layout import LastHidden, Layout
 from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_engine_here
@@ -65,6 +66,14 @@ def check_before_work(cfg: dict, stage: str) -> None:
     if Backend(cfg["backend"]) is Backend.vllm:
         check_engine_here(OmegaConf.create(cfg["vllm"]), f"{stage}.", cfg.get("target"),
                           stock_connector=cfg["vllm_connector"] == "stock")
+
+
+def holds(cfg: DictConfig | dict, node_gpus: int) -> Holds:
+    """The vLLM backend's engine, on as many GPUs as it is tensor-parallel on a GPU node; the hf backend a CPU."""
+    if Backend(cfg["backend"]) is not Backend.vllm:
+        return Holds()
+    tensor_parallel = int(cfg["vllm"]["tensor_parallel_size"])
+    return Holds(gpus=tensor_parallel if node_gpus > 0 else 0, server=f"vLLM, tensor-parallel {tensor_parallel}")
 
 
 register_schema("features", FeaturesConfig, check=check_features)

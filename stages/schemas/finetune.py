@@ -8,10 +8,11 @@ from typing import Optional
 from omegaconf import MISSING, DictConfig
 
 from stages.common.contract.errors import RegraftError
+from stages.common.contract.hardware import Device, Holds, gpu_visible, on_gpu
 from stages.common.contract.stage import register_schema, setting
 from stages.common.drafter.config import check_family
 from stages.common.drafter.loss_mask import LossMask
-from stages.common.engines.vllm_engine import EngineFeaturesConfig, check_engine, gpu_visible
+from stages.common.engines.vllm_engine import EngineFeaturesConfig, check_engine
 
 
 class Init(str, Enum):
@@ -85,6 +86,9 @@ class FinetuneConfig:
     checkpoint_dir: Optional[str] = None  # default: <out>.checkpoints
     resume: bool = True  # continue from the latest checkpoint in checkpoint_dir
     seed: int = 0
+    # auto: each rank on its own GPU where torch sees one (bf16, NCCL), else the CPU (fp32, gloo); cuda: refuse a
+    # machine without a GPU torch can use; cpu: the CPU even on a GPU node
+    device: Device = Device.auto
     spawn: Spawn = Spawn.inprocess
     # ranks per node, on `nodes` nodes (launcher=slurm: --nodes, one task per rank; gloo on CPU, NCCL on GPU);
     # nodes x nproc ranks, micro_batch_size and gradient accumulation set the global batch
@@ -114,6 +118,19 @@ def cuda_devices() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def holds(cfg: DictConfig | dict, node_gpus: int) -> Holds:
+    """`nproc` ranks on each of `nodes` nodes, a GPU each where the stage computes on GPUs; an online fine-tune's
+    vLLM server (started by the stage, not one at engine.server_url) on the same node's GPUs beside them."""
+    ranks = int(cfg["nproc"])
+    gpus = ranks if on_gpu(cfg.get("device", Device.auto), node_gpus) else 0
+    engine, server = cfg.get("engine") or {}, None
+    if engine.get("enabled") and not engine.get("server_url"):
+        tensor_parallel = int(engine["vllm"]["tensor_parallel_size"])
+        server = f"vLLM (online features), tensor-parallel {tensor_parallel}"
+        gpus = max(gpus, tensor_parallel) if node_gpus > 0 else gpus
+    return Holds(gpus=gpus, nodes=int(cfg.get("nodes", 1)), tasks_per_node=ranks, server=server)
 
 
 def check_finetune_family(cfg: DictConfig, where: str) -> None:

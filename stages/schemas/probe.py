@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from stages.common.contract.errors import RegraftError
+from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import register_schema, setting
 from stages.common.data.chat_prompts import EvalSet, check_eval_sets
 from stages.common.engines.sglang_backend import SglangConfig
@@ -71,6 +72,19 @@ def check_before_work(cfg: dict, stage: str) -> None:
         raise RegraftError(f"{stage}.sglang.python={sglang['python']}", "no such interpreter here",
                            f"set {stage}.sglang.python= to an interpreter with sglang installed, or "
                            f"{stage}.backend=vllm")
+
+
+def holds(cfg: DictConfig | dict, node_gpus: int) -> Holds:
+    """The engine it serves the target and drafter with, on as many GPUs as it is tensor-parallel on a GPU node:
+    SGLang's server (one at sglang.server_url runs elsewhere: nothing here) or vLLM's engine; hf a CPU."""
+    backend = Backend(cfg["backend"])
+    if backend is Backend.sglang and not cfg["sglang"]["server_url"]:
+        tensor_parallel, server = int(cfg["sglang"]["tp"]), "SGLang"
+    elif backend is Backend.vllm:
+        tensor_parallel, server = int(cfg["vllm"]["tensor_parallel_size"]), "vLLM"
+    else:
+        return Holds()
+    return Holds(gpus=tensor_parallel if node_gpus > 0 else 0, server=f"{server}, tensor-parallel {tensor_parallel}")
 
 
 def interpreter_found(python: str) -> bool:

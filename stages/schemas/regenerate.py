@@ -8,6 +8,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from stages.common.contract.errors import RegraftError
+from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import register_schema, setting
 from stages.common.engines.credentials import DEFAULT_KEY_ENV, refuse_secrets
 from stages.common.engines.vllm_engine import VllmConfig, check_engine
@@ -70,6 +71,15 @@ def check_regenerate_engine(cfg: DictConfig, where: str) -> None:
 def check_before_work(cfg: dict, stage: str) -> None:
     """What the pipeline asks of every stage before any work (pipelines/launchers.py): its engine can start here."""
     check_regenerate_engine(OmegaConf.create(cfg), stage)
+
+
+def holds(cfg: DictConfig | dict, node_gpus: int) -> Holds:
+    """The vllm engine on as many GPUs as it is tensor-parallel on a GPU node; the openai engine asks a server that
+    runs elsewhere (nothing here)."""
+    if Engine(cfg["engine"]) is not Engine.vllm:
+        return Holds()
+    tensor_parallel = int(cfg["vllm"]["tensor_parallel_size"])
+    return Holds(gpus=tensor_parallel if node_gpus > 0 else 0, server=f"vLLM, tensor-parallel {tensor_parallel}")
 
 
 register_schema("regenerate", RegenerateConfig, check=check_regenerate)

@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from stages.common.engines import vllm_worker  # noqa: F401  (runs in the engine venv; imported here for the cache key)
 from stages.common.engines.engine_process import log_tail, stop_group
 from stages.common.contract.errors import RegraftError
+from stages.common.contract.hardware import gpu_visible
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
@@ -97,12 +98,6 @@ def check_engine(cfg: VllmConfig | DictConfig, where: str) -> None:
     if not engine_python(cfg).exists():
         raise RegraftError(f"{where}vllm.python={cfg.python}", "no vLLM engine venv there",
                            f"run `make venv-vllm`, or set {where}vllm.python= to an interpreter with vllm")
-
-
-def gpu_visible() -> bool:
-    """Whether this machine shows a GPU (an NVIDIA or ROCm device node), read without importing torch."""
-    dev = Path("/dev")
-    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
 
 
 def multimodal_kimi(target: str | None) -> bool:
