@@ -349,3 +349,25 @@ def test_training_lowers_loss_and_raises_accuracy(target, target_dir, vocab_size
     assert last["loss_0"] < 0.5 * first["loss_0"] and last["loss_2"] < 0.5 * first["loss_2"]
     assert first["full_acc_0"] < 0.1 and last["full_acc_0"] > 0.9
     assert last["sim_accept_len"] > 3.0 > 1.5 > first["sim_accept_len"]
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, value_dim", [(4, 4, 16, 16), (4, 2, 16, 16), (4, 4, 24, 16)])
+def test_fused_ttt_attention_equals_the_explicit_one(heads, kv_heads, dim, value_dim):
+    """The form a GPU runs (one SDPA call under `ttt_mask`) against the one the CPU runs (scores built out), values
+    and gradients over 4 unrolled steps: plain heads, grouped-query heads, and MLA's shape (values narrower)."""
+    from stages.common.drafter.eagle3 import explicit_ttt_attention, fused_ttt_attention
+
+    generator = torch.Generator().manual_seed(0)
+
+    def tensors(count_heads: int, width: int) -> list[torch.Tensor]:
+        return [torch.randn(2, count_heads, 10, width, generator=generator, requires_grad=True) for _ in range(4)]
+
+    queries, keys, values = tensors(heads, dim), tensors(kv_heads, dim), tensors(kv_heads, value_dim)
+    results = {}
+    for name, attention in (("explicit", explicit_ttt_attention), ("fused", fused_ttt_attention)):
+        outs = [attention(queries[k], keys[:k + 1], values[:k + 1]) for k in range(1, 4)]
+        grads = torch.autograd.grad(sum((out ** 2).sum() for out in outs), queries[1:] + keys + values)
+        results[name] = (outs, grads)
+    for ours, theirs in zip(results["fused"][0] + list(results["fused"][1]),
+                            results["explicit"][0] + list(results["explicit"][1])):
+        assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-4)

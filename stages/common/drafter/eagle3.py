@@ -99,6 +99,43 @@ class KVCache:
         return causal_attention(q, self.keys, self.values, past, attention_mask)
 
 
+@functools.lru_cache(maxsize=32)
+def ttt_mask(T: int, steps: int, device: torch.device) -> torch.Tensor:
+    """[T, steps * T] bool, over the keys of every unrolled step side by side: position t sees step 0's keys up to
+    t, and its own key of each later step."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return torch.cat([causal] + [torch.eye(T, dtype=torch.bool, device=device)] * (steps - 1), dim=1)
+
+
+def explicit_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """The TTT attention with its scores built out: [B, heads, T, T] over step 0's keys, one score per later step."""
+    scale, T, groups = q.shape[-1] ** -0.5, q.shape[2], q.shape[1] // keys[0].shape[1]
+    keys = [step_keys.repeat_interleave(groups, dim=1) for step_keys in keys]
+    values = [step_values.repeat_interleave(groups, dim=1) for step_values in values]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    prefix = (q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
+    diagonal = torch.stack([(q * step_keys).sum(-1) * scale for step_keys in keys[1:]], dim=-1)  # [B, h, T, k]
+    weights = torch.softmax(torch.cat((prefix, diagonal), dim=-1).float(), dim=-1).to(q.dtype)
+    out = weights[..., :T] @ values[0]
+    for step, step_values in enumerate(values[1:]):
+        out = out + weights[..., T + step, None] * step_values
+    return out
+
+
+def fused_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """The same attention as one SDPA call over every step's keys under `ttt_mask`: a fused kernel (memory-efficient
+    attention on a GPU, which takes a mask where flash attention does not) that keeps no [B, heads, T, T] scores for
+    backward. Grouped key heads are expanded first: not every fused kernel takes `enable_gqa`, and one that does not
+    would fall back to the math kernel, which builds the scores."""
+    groups = q.shape[1] // keys[0].shape[1]
+    stacked_keys, stacked_values = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    if groups > 1:
+        stacked_keys = stacked_keys.repeat_interleave(groups, dim=1)
+        stacked_values = stacked_values.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, stacked_keys, stacked_values, attn_mask=ttt_mask(q.shape[2], len(keys),
+                                                                                                q.device))
+
+
 @dataclass
 class TTTCache:
     """Training-time test: the keys and values of every unrolled draft step over the same T positions.
@@ -106,6 +143,11 @@ class TTTCache:
     Step 0 attends causally over the target-fed positions; at step k, position t also attends to its own keys of
     steps 1..k (the "diagonal"), which is exactly what position t's k-th draft sees at inference: the prefix the
     target verified plus its own earlier drafts.
+
+    On a CPU the explicit form runs: every figure of the built-in world was computed with it, and SDPA's CPU kernel
+    rounds differently in the last bits, which training amplifies into another world. Anywhere else (a GPU, and the
+    meta device the tests run the GPU path on) the fused form runs: at the Kimi drafter's shape the explicit form
+    keeps ~2.7 GB of fp32 scores a step for backward. tests/test_ttt.py holds the two equal, values and gradients.
     """
 
     keys: list[torch.Tensor] = field(default_factory=list)
@@ -121,17 +163,8 @@ class TTTCache:
         self.values.append(v)
         if len(self.keys) == 1:
             return causal_attention(q, k, v, 0, attention_mask)
-        scale, T, groups = q.shape[-1] ** -0.5, q.shape[2], q.shape[1] // k.shape[1]
-        keys = [step_keys.repeat_interleave(groups, dim=1) for step_keys in self.keys]
-        values = [step_values.repeat_interleave(groups, dim=1) for step_values in self.values]
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        prefix = (q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
-        diagonal = torch.stack([(q * step_keys).sum(-1) * scale for step_keys in keys[1:]], dim=-1)  # [B, h, T, k]
-        weights = torch.softmax(torch.cat((prefix, diagonal), dim=-1).float(), dim=-1).to(q.dtype)
-        out = weights[..., :T] @ values[0]
-        for step, step_values in enumerate(values[1:]):
-            out = out + weights[..., T + step, None] * step_values
-        return out
+        attention = explicit_ttt_attention if q.device.type == "cpu" else fused_ttt_attention
+        return attention(q, self.keys, self.values)
 
 
 class Eagle3Attention(nn.Module):

@@ -43,7 +43,8 @@ class TargetSignals:
                     chunk_elements: int = HEAD_CHUNK_ELEMENTS) -> "TargetSignals":
         """From the final hidden state [B, T, H] (after the final norm) and the lm_head [V, H]: the logits are
         computed a vocab chunk at a time, keeping a running max/argmax (the first maximum wins, as in argmax) and
-        copying out the draft vocab's columns, so the head's matmul runs once and [B, T, V] never exists."""
+        copying out the draft vocab's columns, so the head's matmul runs once and [B, T, V] never exists. No step
+        depends on the values (no `nonzero`, no host sync): the loop runs ahead of a GPU, and on the meta device."""
         *lead, width = hidden.shape
         flat = hidden.reshape(-1, width).to(lm_head_weight.dtype)
         vocab, tokens = lm_head_weight.shape[0], flat.shape[0]
@@ -60,9 +61,9 @@ class TargetSignals:
             better = values > best
             best = torch.where(better, values, best)
             argmax = torch.where(better, indices + start, argmax)
-            here = ((draft_ids >= start) & (draft_ids < stop)).nonzero().squeeze(-1)
-            if here.numel():
-                draft_logits[:, here] = logits[:, draft_ids[here] - start]
+            inside = (draft_ids >= start) & (draft_ids < stop)  # the draft ids this chunk holds
+            columns = (draft_ids - start).clamp(0, stop - start - 1)
+            draft_logits = torch.where(inside, logits[:, columns], draft_logits)
         return cls(argmax=argmax.view(*lead), draft_logits=draft_logits.view(*lead, -1))
 
 
@@ -117,6 +118,11 @@ class TargetModel:
         loader = AutoModelForCausalLM if causal else AutoModelForImageTextToText
         model = loader.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
         return cls(model, aux_layer_ids, convention)
+
+    def to(self, device: str | torch.device) -> "TargetModel":
+        """The model moved to `device` (the drafter's), in place; the hooks stay."""
+        self.model.to(device)
+        return self
 
     def _capture(self, layer_id: int | str):
         def hook(module, inputs, output):
@@ -177,16 +183,33 @@ class TargetModel:
 
 
 class TargetHead:
-    """Only the target's token embeddings and lm_head, read from its folder: enough to train on cached features."""
+    """Only the target's token embeddings and lm_head, read from its folder: enough to train on cached features.
+    Both live where the drafter trains (`device`), in `dtype`: the lm_head's vocab-chunked matmul runs there too."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         from stages.common.drafter.verifier import EMBED_NAMES, Verifier
 
         verifier = Verifier.open(path)
         files = verifier.files
         embed_name = next(name for name in EMBED_NAMES if name in files)
-        self.embedding = nn.Embedding.from_pretrained(files.get(embed_name).float(), freeze=True)
-        self.lm_head = files.get(verifier.lm_head_name).float()
+        self.embedding = nn.Embedding.from_pretrained(files.get(embed_name).to(device, dtype), freeze=True)
+        self.lm_head = files.get(verifier.lm_head_name).to(device, dtype)
+
+    @classmethod
+    def of(cls, embedding: torch.Tensor, lm_head: torch.Tensor) -> "TargetHead":
+        """A head from its two tensors, read from no folder (a memory estimate's, on the meta device)."""
+        head = cls.__new__(cls)
+        head.embedding, head.lm_head = nn.Embedding.from_pretrained(embedding, freeze=True), lm_head
+        return head
+
+    def to(self, device: str | torch.device) -> "TargetHead":
+        """Both tensors moved to `device` (the drafter's), in place."""
+        self.embedding, self.lm_head = self.embedding.to(device), self.lm_head.to(device)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.dtype
 
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -197,7 +220,7 @@ class TargetHead:
         """Offline: the batch carries the cached aux and final hidden states; only the lm_head runs. With
         `draft_ids`: the TTT signals, the lm_head a vocab chunk at a time (no [B, T, V] logits); without: the full
         logits."""
-        aux, last = batch["aux_hidden"].float(), batch["last_hidden"].float()
+        aux, last = batch["aux_hidden"].to(self.dtype), batch["last_hidden"].to(self.dtype)
         if draft_ids is None:
             return TargetFeatures(aux_hidden=aux, logits=last @ self.lm_head.T, last_hidden=last)
         return TargetFeatures(aux_hidden=aux, last_hidden=last,
