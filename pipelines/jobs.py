@@ -39,7 +39,7 @@ class RankedStage(Protocol):
 
     Preempted: type[BaseException]  # raised after a signal asked it to stop and it saved a checkpoint
 
-    def init_distributed(self, launched: bool, seed: int) -> None: ...
+    def init_distributed(self, launched: bool, seed: int, device: str) -> Any: ...  # joins; returns its device
 
     def check_ranks(self, cfg: Any, stage: str) -> None: ...  # the ranks this machine can start (RegraftError)
 
@@ -190,7 +190,7 @@ def rank_of_job(stage: str, config: dict[str, Any]) -> StageOutcome:
     if not isinstance(module, RankedStage):
         raise RegraftError(None, f"stage {stage} runs as one task, this job has {ranks.world_size}",
                            f"drop tasks_per_node for {stage} from launcher.per_stage and launcher.per_node")
-    module.init_distributed(True, cfg.seed)
+    module.init_distributed(True, cfg.seed, cfg.device)
     decide = torch.distributed.new_group(backend="gloo")  # CPU objects, whatever the training backend
     out, leader = Path(config["out"]), ranks.rank == 0
     with stage_lock(out) if leader else contextlib.nullcontext():

@@ -76,6 +76,19 @@ def test_guard_stops_as_is_and_remap_fixes_it(scratch_run, trained_target, chats
     assert fixed.metrics["preflight_full_acc_0"] > 0.4
 
 
+def signalled_at_first_step(command: list[str], metrics: Path, signum: int) -> tuple[int, str]:
+    """Run a fine-tune command, send it `signum` once its first train line is logged; its exit code and stderr."""
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and '"split": "train"' in metrics.read_text():
+            process.send_signal(signum)
+            break
+        time.sleep(0.02)
+    _, stderr = process.communicate(timeout=120)
+    return process.returncode, stderr
+
+
 def test_resume_after_a_stop_ends_with_the_same_weights(trained_target, chats, training_map, tmp_path):
     overrides = [f"target={trained_target}", f"data={chats}", f"vocab_map={training_map}", "init=scratch",
                  "ttt_steps=3", "micro_batch_size=4", "max_length=48", "lr=3e-3", "log_every=1",
@@ -88,15 +101,8 @@ def test_resume_after_a_stop_ends_with_the_same_weights(trained_target, chats, t
 
     command = [sys.executable, "-m", "stages.finetune", *overrides, f"out={tmp_path / 'stopped'}"]
     metrics = tmp_path / "stopped.checkpoints" / "metrics.jsonl"
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and process.poll() is None:
-        if metrics.exists() and '"split": "train"' in metrics.read_text():
-            process.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.02)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 1 and "stopped by a signal at step" in stderr, stderr[-2000:]
+    returncode, stderr = signalled_at_first_step(command, metrics, signal.SIGTERM)
+    assert returncode == 1 and "stopped by a signal at step" in stderr, stderr[-2000:]
     stopped_at = int(stderr.split("stopped by a signal at step ")[1].split()[0])
     assert 1 <= stopped_at < 36 and not (tmp_path / "stopped").exists()
 
@@ -108,6 +114,41 @@ def test_resume_after_a_stop_ends_with_the_same_weights(trained_target, chats, t
         assert torch.allclose(tensor, after_stop[name], atol=1e-6), name
     steps = [m["step"] for m in read_metrics(tmp_path / "stopped") if m["split"] == "train"]
     assert steps == list(range(1, 37))  # every step once: none repeated, none missing
+
+
+REQUEUE_STANDIN = """
+import os, runpy, signal, sys
+marker = sys.argv[1]
+def requeue(signum, frame):  # a stand-in for submitit's time-limit handler, which requeues the job and exits
+    open(marker, "w").write("requeued")
+    os._exit(3)
+signal.signal(signal.SIGUSR2, requeue)
+sys.argv = ["stages.finetune", *sys.argv[2:]]
+runpy.run_module("stages.finetune", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("handler", ["submitit", "none"])
+def test_time_limit_signal_checkpoints_the_step_before_the_requeue(trained_target, chats, training_map, tmp_path,
+                                                                    handler):
+    """Slurm's time-limit warning (SIGUSR2): the fine-tune saves a checkpoint at its next step, then lets the handler
+    it found (submitit's: requeue, exit) run, so a requeued job resumes where it stopped, not at the last periodic
+    checkpoint; with no handler there, it stops as on SIGTERM."""
+    overrides = [f"target={trained_target}", f"data={chats}", f"vocab_map={training_map}", "init=scratch",
+                 "ttt_steps=2", "micro_batch_size=4", "max_length=48", "log_every=1", "val_fraction=0.2",
+                 "epochs=8", "checkpoint_every=1000", f"out={tmp_path / 'out'}"]
+    marker = tmp_path / "requeued"
+    command = [sys.executable, "-c", REQUEUE_STANDIN, str(marker), *overrides] if handler == "submitit" else \
+        [sys.executable, "-m", "stages.finetune", *overrides]
+    metrics = tmp_path / "out.checkpoints" / "metrics.jsonl"
+    returncode, stderr = signalled_at_first_step(command, metrics, signal.SIGUSR2)
+    saved = (tmp_path / "out.checkpoints" / "deepspeed" / "latest").read_text()
+    last_step = max(m["step"] for m in map(json.loads, metrics.read_text().splitlines()) if m["split"] == "train")
+    assert saved == f"step{last_step}" and last_step < 80  # the step it stopped at, not a periodic checkpoint
+    if handler == "submitit":
+        assert returncode == 3 and marker.read_text() == "requeued", stderr[-2000:]
+    else:
+        assert returncode == 1 and "stopped by a signal at step" in stderr and not marker.exists()
 
 
 # ZeRO-3 reduce-scatters partitioned gradients: the sums run in another order than one rank's accumulation, and
@@ -172,11 +213,11 @@ def test_each_deepspeed_preset_reaches_the_engine(preset):
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"deepspeed={preset}"]).finetune
-    init_distributed(False, 0)
+    device = init_distributed(False, 0)
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                   config=deepspeed_config(cfg, total_steps=100))
+                                                   config=deepspeed_config(cfg, total_steps=100, device=device))
     assert engine.zero_optimization_stage() == int(preset[-1])
     assert engine.gradient_clipping() == cfg.deepspeed.gradient_clipping == 0.5
     assert scheduler.warmup_num_steps == int(cfg.deepspeed.warmup_ratio * 100) == 5  # the pipeline's 0.05

@@ -33,13 +33,15 @@ from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.common.contract.errors import RegraftError
 from stages.common.data.feature_shards import Rows, TensorRows, open_features
 from stages.common.contract.runtime import free_port
-from stages.common.engines.vllm_states import EngineRows, EngineStates, states_server
+from stages.common.engines.vllm_states import EngineRows, EngineStates
 from stages.common.contract.stage import StageResult
 from stages.common.drafter.target import TargetHead, TargetModel
 from stages.common.drafter.verifier import Verifier
 from stages.common.drafter.vocab import VocabMap, load_vocab_map
-from stages.finetune.guard import preflight
-from stages.finetune.loop import MetricsLog, Preempted, Progress, micro_batches, split, train
+from stages.common.contract.hardware import Device
+from stages.finetune.device import deepspeed_devices, node_states_server, training_device
+from stages.finetune.guard import PREFLIGHT, checked_once
+from stages.finetune.loop import MetricsLog, Preempted, Progress, split, train, uses_bf16
 from stages.schemas.finetune import FinetuneConfig, Init, Spawn, check_ranks
 
 __all__ = ["FinetuneConfig", "Preempted", "check_ranks", "init_distributed", "run", "run_rank"]  # what pipelines/jobs.py calls
@@ -90,22 +92,26 @@ def initial_drafter(cfg: DictConfig, training_map: VocabMap) -> tuple[Eagle3Draf
     return drafter, own_map
 
 
-def training_rows(cfg: DictConfig, drafter: Eagle3Drafter) -> tuple[TargetModel | TargetHead, Rows]:
+def training_rows(cfg: DictConfig, drafter: Eagle3Drafter,
+                  device: torch.device) -> tuple[TargetModel | TargetHead, Rows]:
     """Online: the whole target and tokenized chats, in memory. Offline: the target's embeddings and lm_head only,
     and the cached rows streamed from their shards a batch at a time (the same chats in the same order, so both
-    modes see the same batches)."""
+    modes see the same batches). The target (or its head) is put where the drafter trains, in the drafter's
+    precision on a GPU (the target's states come as a bf16 engine computed them) and in fp32 on the CPU."""
     layer_ids = aux_layers_of(drafter)
+    dtype = torch.bfloat16 if device.type == "cuda" and uses_bf16(cfg, device) else torch.float32
     if cfg.features:
-        return TargetHead(cfg.target), open_features(cfg.features, layer_ids, cfg.max_length)
+        return TargetHead(cfg.target, device, dtype), open_features(cfg.features, layer_ids, cfg.max_length)
     if not cfg.data:
         raise RegraftError(None, "finetune needs training data", "pass data=CHATS.jsonl (online) or features=DIR")
     rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
     if cfg.engine.enabled:
         states = EngineStates(cfg.engine.server_url, cfg.target, layer_ids, cfg.engine.retries,
                               cfg.engine.request_timeout_s)
-        return TargetHead(cfg.target), EngineRows(rows, states)
-    return (TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, trust_remote_code=cfg.trust_remote_code),
-            TensorRows(rows))
+        return TargetHead(cfg.target, device, dtype), EngineRows(rows, states)
+    target = TargetModel.load(cfg.target, layer_ids, OUTPUT_OF_LAYER, dtype=dtype,
+                              trust_remote_code=cfg.trust_remote_code)
+    return target.to(device), TensorRows(rows)
 
 
 def aux_layers_of(drafter: Eagle3Drafter | DrafterConfig) -> list[int]:
@@ -116,12 +122,13 @@ def aux_layers_of(drafter: Eagle3Drafter | DrafterConfig) -> list[int]:
 # ---------------------------------------------------------------- DeepSpeed
 
 
-def use_built_cpu_ops() -> None:
+def use_built_cpu_ops(device: torch.device | None = None) -> None:
     """On CPU, DeepSpeed JIT-builds its shared-memory all-reduce op (`deepspeed_shm_comm`) when the first process
     group starts: 35-70 s, more under load, into a cache keyed by the interpreter's path, so every new checkout or
     venv paid it at its first fine-tune. Here the op lives in this venv (`<venv>/torch_extensions`), built once at
-    install (`make venv` runs `build_cpu_ops`)."""
-    if not torch.cuda.is_available():
+    install (`make venv` runs `build_cpu_ops`). `device`: where the ranks train (None: the CPU unless torch sees a
+    GPU); a CPU run on a GPU node tells DeepSpeed so, which would otherwise take the GPU accelerator."""
+    if (device.type == "cpu") if device is not None else not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
@@ -135,29 +142,35 @@ def build_cpu_ops() -> None:
         build_shm_op()
 
 
-def init_distributed(launched: bool, seed: int) -> None:
-    """Join the process group: ranks started by a launcher read its env; a lone in-process rank sets its own
-    (gloo on CPU) on a free port, whatever a parent process left in the environment."""
+def init_distributed(launched: bool, seed: int, device: Device | str = Device.auto) -> torch.device:
+    """Join the process group and return this rank's device (`training_device`): ranks started by a launcher read
+    its env; a lone in-process rank sets its own on a free port, whatever a parent process left in the environment.
+    NCCL between GPUs (each rank's current device set first, as NCCL needs), gloo on the CPU."""
     if not launched and not torch.distributed.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    use_built_cpu_ops()
+    rank_device = training_device(device)
+    if rank_device.type == "cuda":
+        torch.cuda.set_device(rank_device)
+    use_built_cpu_ops(rank_device)
     import deepspeed
 
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if rank_device.type == "cuda" else "gloo")
     torch.manual_seed(seed)
+    return rank_device
 
 
-def launcher_command(spawn: Spawn, nproc: int, config_file: Path) -> list[str]:
-    """torchrun or DeepSpeed's own launcher, each starting `nproc` local ranks of this module."""
+def launcher_command(spawn: Spawn, nproc: int, config_file: Path, device: Device | str = Device.auto) -> list[str]:
+    """torchrun or DeepSpeed's own launcher, each starting `nproc` local ranks of this module (torchrun's ranks
+    index the GPUs CUDA_VISIBLE_DEVICES gives; DeepSpeed's are named: `deepspeed_devices`)."""
     port = str(free_port())
     if spawn is Spawn.torchrun:
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_addr", "127.0.0.1", "--master_port", port,
                 "-m", "stages.finetune", RANK_FLAG, str(config_file)]
     # --no_local_rank: the ranks read LOCAL_RANK from the environment, as under torchrun
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+    return [sys.executable, "-m", "deepspeed.launcher.runner", *deepspeed_devices(nproc, device),
             "--master_addr", "127.0.0.1", "--master_port", port, "--no_local_rank",
             "--module", "stages.finetune", RANK_FLAG, str(config_file)]
 
@@ -169,7 +182,7 @@ def launch_ranks(cfg: DictConfig) -> StageResult:
     work.mkdir(parents=True, exist_ok=True)
     config_file = work / "rank_config.yaml"
     OmegaConf.save(cfg, config_file, resolve=True)
-    done = subprocess.run(launcher_command(spawn, cfg.nproc, config_file.absolute()),
+    done = subprocess.run(launcher_command(spawn, cfg.nproc, config_file.absolute(), cfg.device),
                           cwd=Path(__file__).resolve().parents[2])
     manifest = read_manifest(cfg.out)
     if done.returncode != 0 or manifest is None:
@@ -180,19 +193,16 @@ def launch_ranks(cfg: DictConfig) -> StageResult:
 
 def run(cfg: DictConfig) -> StageResult:
     check_ranks(cfg)
-    if not cfg.engine.enabled:
-        return run_ranks(cfg)
-    # online: one server for all the ranks (started here unless engine.server_url names one), up for the stage
-    work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints") / "engine"
-    layer_ids = aux_layers_of(initial_config(cfg))
-    with states_server(cfg.engine, cfg.target, layer_ids, cfg.max_length, work) as url:
-        return run_ranks(OmegaConf.merge(cfg, {"engine": {"server_url": url}}))
+    if Spawn(cfg.spawn) is Spawn.inprocess:
+        return run_rank(cfg, launched=False)
+    # online: one server for all the ranks this process starts (unless engine.server_url names one), up for the stage
+    with node_states_server(cfg, work_dir(cfg)) as served:
+        return launch_ranks(served)
 
 
-def run_ranks(cfg: DictConfig) -> StageResult:
-    if Spawn(cfg.spawn) is not Spawn.inprocess:
-        return launch_ranks(cfg)
-    return run_rank(cfg, launched=False)
+def work_dir(cfg: DictConfig) -> Path:
+    """The run's checkpoints, metrics, rank config and server logs."""
+    return Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints")
 
 
 def initial_config(cfg: DictConfig) -> DrafterConfig:
@@ -205,29 +215,35 @@ def initial_config(cfg: DictConfig) -> DrafterConfig:
 
 
 def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
-    """The training itself, on this process's rank (a launcher's, or a lone in-process one)."""
-    init_distributed(launched, cfg.seed)
+    """The training itself, on this process's rank (a launcher's, or a lone in-process one), on its device; online
+    without a server URL, each node's first rank starts the server its node's ranks read (on Slurm too)."""
+    device = init_distributed(launched, cfg.seed, cfg.device)
+    work = work_dir(cfg)
+    work.mkdir(parents=True, exist_ok=True)
+    with node_states_server(cfg, work) as served:
+        return train_rank(served, device, work)
+
+
+def train_rank(cfg: DictConfig, device: torch.device, work: Path) -> StageResult:
     rank = int(os.environ["RANK"])
     training_map = load_vocab_map(cfg.vocab_map)
     check_map_fits_target(cfg, training_map)
     drafter, own_map = initial_drafter(cfg, training_map)
-    target, rows = training_rows(cfg, drafter)
+    drafter.to(device)
+    target, rows = training_rows(cfg, drafter, device)
     try:
         train_data, val_data = split(rows, cfg.val_fraction, cfg.seed)
-        first = next(micro_batches(train_data, cfg.micro_batch_size, 0, cfg.seed, 0, 1))
-        checked = preflight(cfg, drafter, own_map, training_map, target, first)
-        work = Path(cfg.checkpoint_dir or f"{cfg.out}.checkpoints")
-        work.mkdir(parents=True, exist_ok=True)
         resumed = cfg.resume and (work / "deepspeed" / "latest").exists()
+        checked = checked_once(cfg, drafter, own_map, training_map, target, train_data, work if resumed else None)
         log = MetricsLog(work / "metrics.jsonl", resume_step=resumed_step(work) if resumed else 0, enabled=rank == 0)
         if not resumed:
-            log.write(0, "preflight", checked.metrics())
+            log.write(0, PREFLIGHT, checked)
         waits: list[float] = []
         best_state, best_val = train(cfg, drafter, target, train_data, val_data, work, log, Progress(), waits)
     finally:  # the engine's request threads end with the training, however it ends
         if isinstance(rows, EngineRows):
             rows.states.close()
-    metrics = {**checked.metrics(), **{f"val_{k}": v for k, v in best_val.items()}, **engine_metrics(rows, waits)}
+    metrics = {**checked, **{f"val_{k}": v for k, v in best_val.items()}, **engine_metrics(rows, waits)}
     headline = (f"{drafter.config.describe()}, init={Init(cfg.init).value}: best val loss {best_val.get('loss', float('nan')):.3f}, "
                 f"full_acc_0 {best_val.get('full_acc_0', float('nan')):.3f}, "
                 f"sim_accept_len {best_val.get('sim_accept_len', float('nan')):.2f}")
@@ -239,8 +255,14 @@ def run_rank(cfg: DictConfig, launched: bool) -> StageResult:
         with staged_output(cfg.out, "finetune", cfg) as staged:
             best.save(staged.path / "drafter", layout="sglang")
             (staged.path / "metrics.jsonl").write_text((work / "metrics.jsonl").read_text())
-            staged.update(metrics=metrics, checkpoint_dir=str(work.absolute()), headline=headline)
+            staged.update(metrics=metrics, checkpoint_dir=str(work.absolute()), headline=headline,
+                          device=device_name(device), precision="bf16" if uses_bf16(cfg, device) else "fp32")
     return StageResult(Path(cfg.out), metrics, headline)
+
+
+def device_name(device: torch.device) -> str:
+    """`cuda:0 (NVIDIA B200)`, or `cpu`: what the manifest records the ranks trained on."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
 def engine_metrics(rows: Rows, waits: list[float]) -> dict[str, float]:

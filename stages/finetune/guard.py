@@ -8,6 +8,8 @@ as it was (before the remap) is measured on the same batch too, so every run car
 from __future__ import annotations
 
 import copy
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,12 +17,13 @@ import torch
 from omegaconf import DictConfig
 
 from stages.common.contract.artifacts import read_manifest
+from stages.common.data.feature_shards import Rows
 from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.common.contract.errors import RegraftError
 from stages.common.drafter.target import TargetHead, TargetModel
 from stages.common.drafter.ttt import LossMask
 from stages.common.drafter.vocab import RemapPlan, VocabMap, compare_vocab_maps
-from stages.finetune.loop import run_ttt
+from stages.finetune.loop import device_of, micro_batches, run_ttt
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ def preflight(cfg: DictConfig, drafter: Eagle3Drafter, own_map: VocabMap | None,
     with torch.no_grad():
         as_given = evaluate_batch(drafter, target, batch, cfg.ttt_steps, cfg.loss_mask)
         remapped = evaluate_batch(trained_on_new_map, target, batch, cfg.ttt_steps, cfg.loss_mask)
-        as_is = remap_source_as_is(cfg, training_map, target, batch)
+        as_is = remap_source_as_is(cfg, training_map, target, batch, device_of(drafter))
     result = Preflight(checked.positions_agree, checked.draft_vocab_size, checked.shared_ids,
                              step0_acc=as_given["full_acc_0"], step0_loss=as_given["loss_0"],
                              remapped_step0_acc=remapped["full_acc_0"],
@@ -108,13 +111,13 @@ def preflight(cfg: DictConfig, drafter: Eagle3Drafter, own_map: VocabMap | None,
 
 
 def remap_source_as_is(cfg: DictConfig, training_map: VocabMap, target: TargetModel | TargetHead,
-                       batch: dict[str, torch.Tensor]) -> dict[str, float]:
+                       batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
     """init=remap from a remap output: the step-0 numbers its source drafter would have had without the remap."""
     manifest = read_manifest(cfg.drafter) if init_name(cfg) == "remap" else None
     source = (manifest or {}).get("config", {}).get("drafter")
     if not source or not Path(source).exists():
         return {}
-    unmapped = Eagle3Drafter.from_checkpoint(source, dtype=torch.float32)
+    unmapped = Eagle3Drafter.from_checkpoint(source, dtype=torch.float32, device=device)
     if unmapped.config.draft_vocab_size != training_map.draft_vocab_size:
         return {}
     unmapped.set_vocab_map(training_map)
@@ -124,3 +127,39 @@ def remap_source_as_is(cfg: DictConfig, training_map: VocabMap, target: TargetMo
 def evaluate_batch(drafter: Eagle3Drafter, target: TargetModel | TargetHead, batch: dict[str, torch.Tensor],
                    ttt_steps: int, loss_mask: LossMask | str = LossMask.drafted) -> dict[str, float]:
     return run_ttt(drafter, target, batch, ttt_steps, loss_mask).metrics()
+
+
+PREFLIGHT = "preflight"  # metrics.jsonl's split of the preflight line
+
+
+def checked_once(cfg: DictConfig, drafter: Eagle3Drafter, own_map: VocabMap | None, training_map: VocabMap,
+                 target: TargetModel | TargetHead, train_data: Rows, resumed_from: Path | None) -> dict[str, float]:
+    """The preflight's figures, computed once per run by one rank where the drafter is (rank 0's first training
+    batch; every rank gets its figures, or its refusal), and read back from metrics.jsonl when a run resumes: the
+    guard decided at the run's start, and a resume on a 1T target's node must not wait on it again."""
+    logged = logged_preflight(resumed_from) if resumed_from is not None else None
+    if logged is not None:
+        return logged
+    outcome: list[object] = [None]
+    if int(os.environ.get("RANK", "0")) == 0:
+        first = next(micro_batches(train_data, cfg.micro_batch_size, 0, cfg.seed, 0, 1))
+        try:
+            outcome[0] = preflight(cfg, drafter, own_map, training_map, target, first).metrics()
+        except RegraftError as refused:
+            outcome[0] = refused
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], RegraftError):
+        raise outcome[0]
+    return outcome[0]
+
+
+def logged_preflight(work: Path) -> dict[str, float] | None:
+    """The preflight line a run wrote at its start (None: none kept)."""
+    path = work / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in lines:
+        record = json.loads(line)
+        if record.get("split") == PREFLIGHT:
+            return {key: value for key, value in record.items() if key not in ("step", "split")}
+    return None

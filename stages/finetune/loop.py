@@ -33,10 +33,30 @@ from stages.common.drafter.ttt import LossMask, TTTStats, draft_vocab_ids, ttt_f
 from stages.finetune.prefetch import read_ahead
 
 
+def device_of(module: torch.nn.Module) -> torch.device:
+    """Where a module computes (DeepSpeed's engine puts the drafter on `cuda:LOCAL_RANK`)."""
+    return next(module.parameters()).device
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch where the drafter computes; from pinned host memory (`pinned`) the copy runs asynchronously."""
+    if all(tensor.device == device for tensor in batch.values()):
+        return batch
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
+
+
+def pinned(batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Each batch in page-locked host memory (in the read-ahead thread), so its copy to a GPU can overlap compute."""
+    for batch in batches:
+        yield {name: tensor.pin_memory() for name, tensor in batch.items()}
+
+
 def run_ttt(drafter: Eagle3Drafter, target: TargetModel | TargetHead, batch: dict[str, torch.Tensor],
             ttt_steps: int, loss_mask: LossMask | str = LossMask.drafted) -> TTTStats:
-    """One unrolled pass; `target` runs the target (online) or reads cached states from the batch (offline), and
-    gives the full-vocab argmax and the draft-vocab logits once per batch; `loss_mask` picks the TTT loss mask."""
+    """One unrolled pass where the drafter is: the batch is moved there, the target (or its head) must be there
+    already. `target` runs the target (online) or reads cached states from the batch (offline), and gives the
+    full-vocab argmax and the draft-vocab logits once per batch; `loss_mask` picks the TTT loss mask."""
+    batch = to_device(batch, device_of(drafter))
     features = target.batch_features(batch, draft_ids=draft_vocab_ids(drafter))
     return ttt_forward(drafter, target.embed, batch["input_ids"], batch["loss_mask"], features.aux_hidden,
                        features.signals, ttt_steps, loss_mask)
@@ -45,9 +65,14 @@ def run_ttt(drafter: Eagle3Drafter, target: TargetModel | TargetHead, batch: dic
 # ---------------------------------------------------------------- DeepSpeed
 
 
-def deepspeed_config(cfg: DictConfig, total_steps: int) -> dict:
+def uses_bf16(cfg: DictConfig, device: torch.device) -> bool:
+    """deepspeed.bf16, where set; else bf16 on a GPU and fp32 on the CPU."""
+    return device.type == "cuda" if cfg.deepspeed.bf16 is None else bool(cfg.deepspeed.bf16)
+
+
+def deepspeed_config(cfg: DictConfig, total_steps: int, device: torch.device) -> dict:
     ds = cfg.deepspeed
-    bf16 = torch.cuda.is_available() if ds.bf16 is None else bool(ds.bf16)
+    bf16 = uses_bf16(cfg, device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
@@ -117,39 +142,90 @@ class MetricsLog:
                 lines.write(json.dumps({"step": step, "split": split_name, **metrics}) + "\n")
 
 
-def read_ahead_window(cfg: DictConfig) -> int:
-    """Batches read ahead of the trainer: the engine's prefetch when a server computes them, else none."""
+GPU_READ_AHEAD = 2  # cached batches read (and pinned) ahead of a GPU trainer, so a shard read never stalls a step
+
+
+def read_ahead_window(cfg: DictConfig, device: torch.device) -> int:
+    """Batches read ahead of the trainer: the engine's prefetch when a server computes them; on a GPU, a few cached
+    ones; on the CPU none (a reading thread would compete with the training for the same cores)."""
     engine = cfg.get("engine")
-    return int(engine.prefetch) if engine is not None and engine.enabled else 0
+    if engine is not None and engine.enabled:
+        return int(engine.prefetch)
+    return GPU_READ_AHEAD if device.type == "cuda" else 0
+
+
+def batches_for(batches: Iterator[dict[str, torch.Tensor]], cfg: DictConfig, device: torch.device,
+                waits: list[float] | None) -> Iterator[dict[str, torch.Tensor]]:
+    """`batches` as the trainer on `device` takes them: read ahead, and pinned for a GPU."""
+    if device.type == "cuda":
+        batches = pinned(batches)
+    return read_ahead(batches, read_ahead_window(cfg, device), waits)
+
+
+def validation_batches(val: Rows, size: int, seed: int, rank: int, world: int) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's share of the validation batches: the batches one rank alone would take, dealt out in turn, so
+    the figures do not depend on the rank count (up to the order of a float sum) and no rank reads another's."""
+    whole = len(val) // size
+    order = torch.randperm(len(val), generator=torch.Generator().manual_seed(seed * 1000))
+    for index in range(rank, whole, world):
+        yield val.take(order[index * size:(index + 1) * size])
 
 
 def validate(drafter: Eagle3Drafter, target: TargetModel, val: Rows, cfg: DictConfig,
              waits: list[float] | None = None) -> dict:
-    """TTT metrics over the whole validation split, from summed counts; `loss` is the decay-weighted total."""
-    size = min(cfg.micro_batch_size, len(val))
+    """TTT metrics over the whole validation split, each rank on its share, from counts summed over the ranks;
+    `loss` is the decay-weighted total."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    device, size = device_of(drafter), min(cfg.micro_batch_size, len(val))
     sums, batches = None, 0
     with torch.no_grad():
-        for batch in read_ahead(micro_batches(val, size, 0, cfg.seed, 0, 1), read_ahead_window(cfg), waits):
+        for batch in batches_for(validation_batches(val, size, cfg.seed, rank, world), cfg, device, waits):
             stats = run_ttt(drafter, target, batch, cfg.ttt_steps, cfg.loss_mask)
             counts = [stats.step_losses, stats.correct, stats.valid, stats.cond_correct, stats.cond_valid]
             sums = counts if sums is None else [a + b for a, b in zip(sums, counts)]
             batches += 1
+    if world > 1:
+        sums, batches = summed_over_ranks(sums, batches, cfg.ttt_steps, device)
     step_losses, *counts = sums
     return ttt_metrics(step_losses / batches, *counts)
 
 
+def summed_over_ranks(sums: list[torch.Tensor] | None, batches: int, steps: int,
+                      device: torch.device) -> tuple[list[torch.Tensor], int]:
+    """Every rank's validation sums and batch count added up (a rank without a batch adds zeros)."""
+    parts = [torch.zeros(steps, device=device) for _ in range(5)] if sums is None else sums
+    packed = torch.cat([part.double().reshape(-1) for part in parts] + [torch.tensor([float(batches)], device=device,
+                                                                                     dtype=torch.float64)])
+    torch.distributed.all_reduce(packed)
+    return list(packed[:-1].reshape(5, steps)), int(packed[-1].item())
+
+
 class StopSignal:
-    """SIGTERM / SIGUSR1 (a scheduler's warning before preemption or the time limit) ask for a clean stop:
-    the loop checkpoints at the next optimizer step and ends; rerunning the same command resumes there."""
+    """SIGTERM / SIGUSR1 (a scheduler's warning before preemption) and SIGUSR2 (Slurm's warning before the time
+    limit, which submitit asks for) ask for a clean stop: the loop checkpoints at the next optimizer step and ends;
+    rerunning the same command resumes there. SIGUSR2's own handler (submitit's: requeue the job, then exit) runs
+    after that checkpoint (`after_checkpoint`), so a requeued job resumes at the step it stopped at, not at the last
+    periodic checkpoint up to `checkpoint_every` steps before."""
 
     def __init__(self):
         self.requested = False
+        self.time_limit_handler = None  # set once SIGUSR2 came: the handler it had before this one
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(sig, self._request)
+            self.previous_usr2 = signal.signal(signal.SIGUSR2, self._time_limit)
 
     def _request(self, signum, frame) -> None:
         self.requested = True
+
+    def _time_limit(self, signum, frame) -> None:
+        self.requested = True
+        self.time_limit_handler = self.previous_usr2
+
+    def after_checkpoint(self) -> None:
+        """What SIGUSR2 would have done (submitit: requeue and exit), now that the checkpoint is saved."""
+        if callable(self.time_limit_handler):
+            self.time_limit_handler(signal.SIGUSR2, None)
 
     def agreed(self, world: int, device: torch.device) -> bool:
         """Whether any rank was asked to stop: a signal reaches the ranks at different steps, and every rank must
@@ -193,8 +269,9 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
     total_steps = scheduled if cfg.max_steps is None else min(scheduled, cfg.max_steps)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.deepspeed.betas),
                                   weight_decay=cfg.deepspeed.weight_decay)
+    device = device_of(drafter)
     engine, _, _, scheduler = deepspeed.initialize(model=drafter, optimizer=optimizer,
-                                                   config=deepspeed_config(cfg, total_steps))
+                                                   config=deepspeed_config(cfg, total_steps, device))
     checkpoints, best_file = work / "deepspeed", work / "best.pt"
     if cfg.resume and (checkpoints / "latest").exists():
         _, client_state = engine.load_checkpoint(str(checkpoints))
@@ -204,8 +281,9 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
         if rank == 0:
             print(f"finetune: resumed at step {progress.step} of {total_steps} from {checkpoints}", file=sys.stderr,
                   flush=True)
-    best = torch.load(best_file, weights_only=True) if cfg.resume and best_file.exists() else \
-        {"state": snapshot(engine.module), "val": {}}
+    keeps = rank == 0  # the rank that exports: the others hold no copy of the best weights
+    best = torch.load(best_file, map_location="cpu", weights_only=True) if cfg.resume and best_file.exists() else \
+        {"state": snapshot(engine.module, keeps), "val": {}}
     stop = StopSignal()
 
     def save_checkpoint() -> None:
@@ -227,7 +305,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             log.write(progress.step, "val", val)
         if not val or val["loss"] < progress.best_val_loss:
             progress.best_val_loss = val.get("loss", progress.best_val_loss)
-            best = {"state": snapshot(engine.module), "val": val}
+            best = {"state": snapshot(engine.module, keeps), "val": val}
             if rank == 0:  # a job killed while saving leaves the previous best whole
                 torch.save(best, best_file.with_suffix(".tmp"))
                 os.replace(best_file.with_suffix(".tmp"), best_file)
@@ -240,10 +318,10 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
     bar = tqdm(total=end, initial=progress.step, desc="finetune", disable=rank != 0, mininterval=1.0)
     started, tokens = time.perf_counter(), 0
     while progress.step < end and progress.epoch < cfg.epochs:
-        for batch in read_ahead(micro_batches(train_data, cfg.micro_batch_size, progress.epoch, cfg.seed, rank, world,
-                                              skip=progress.batch, accumulation=accumulation,
-                                              stop=progress.batch + (end - progress.step) * accumulation),
-                                read_ahead_window(cfg), waits):
+        for batch in batches_for(micro_batches(train_data, cfg.micro_batch_size, progress.epoch, cfg.seed, rank,
+                                               world, skip=progress.batch, accumulation=accumulation,
+                                               stop=progress.batch + (end - progress.step) * accumulation),
+                                 cfg, device, waits):
             stats = run_ttt(engine.module, target, batch, cfg.ttt_steps, cfg.loss_mask)
             engine.backward(stats.loss)
             lr, grad_norm = optimizer_step(engine, scheduler)
@@ -262,6 +340,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             if progress.step % cfg.checkpoint_every == 0 or stopping:
                 save_checkpoint()
             if stopping:
+                stop.after_checkpoint()
                 raise Preempted(checkpoints, f"stopped by a signal at step {progress.step} of {total_steps}; "
                                 "checkpoint saved", "rerun the same command to resume (resume=true)")
             if progress.step >= end:
@@ -269,13 +348,13 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
         else:
             progress.epoch, progress.batch = progress.epoch + 1, 0
         if progress.step >= end and end < total_steps:
-            return rung_stop(cfg, engine, target, val_data, save_checkpoint, bar)
+            return rung_stop(cfg, engine, target, val_data, save_checkpoint, bar, keeps)
         best = validate_and_keep_best(best)
         if progress.step >= total_steps:
             break
     # resumed from the checkpoint of the last step, which is taken before that step's validation
     if progress.step >= end and end < total_steps:
-        return rung_stop(cfg, engine, target, val_data, save_checkpoint, bar)
+        return rung_stop(cfg, engine, target, val_data, save_checkpoint, bar, keeps)
     if progress.step >= total_steps and progress.validated < progress.step:
         best = validate_and_keep_best(best)
     bar.close()
@@ -283,13 +362,13 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
 
 
 def rung_stop(cfg: DictConfig, engine, target: TargetModel, val_data: Rows, save_checkpoint,
-              bar) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+              bar, keeps: bool) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """`stop_at` reached before the schedule's end (a race's rung): a checkpoint the next rung resumes from, taken
     before this validation, so neither the log nor the best state a continued run keeps ever sees it (it runs on
     exactly as an uninterrupted one); the weights as they are now and their validation."""
     save_checkpoint()
     bar.close()
-    return snapshot(engine.module), validate(engine.module, target, val_data, cfg) if len(val_data) else {}
+    return snapshot(engine.module, keeps), validate(engine.module, target, val_data, cfg) if len(val_data) else {}
 
 
 def optimizer_step(engine, scheduler) -> tuple[float, float | None]:
@@ -321,11 +400,14 @@ def prune_checkpoints(checkpoints: Path, keep: int) -> None:
         shutil.rmtree(checkpoints / f"step{step}", ignore_errors=True)
 
 
-def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A full copy of the weights; under ZeRO-3 the partitioned parameters are gathered first (on every rank)."""
+def snapshot(module: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """A full copy of the weights in host memory (none where `keep` is false: a rank that does not export); under
+    ZeRO-3 the partitioned parameters are gathered first, on every rank, as the gather is collective."""
     import deepspeed
 
     params = list(module.parameters())
     partitioned = any(hasattr(param, "ds_id") for param in params)
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None) if partitioned else contextlib.nullcontext():
-        return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+        if not keep:
+            return {}
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}

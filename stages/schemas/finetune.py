@@ -107,7 +107,15 @@ def check_ranks(cfg: DictConfig | dict, stage: str = "finetune") -> None:
         raise RegraftError(f"{stage}.nproc={cfg['nproc']}", "spawn=inprocess runs one rank",
                            f"set {stage}.spawn=torchrun (or deepspeed) for {cfg['nproc']} ranks")
     gpus = cuda_devices() if gpu_visible() else 0
-    if gpus and cfg["nproc"] > gpus:
+    device = Device(cfg.get("device", Device.auto))
+    if device is not Device.cpu and gpu_visible() and not gpus:
+        raise RegraftError(f"{stage}.device={device.value}", "this machine has GPUs (/dev/nvidia*) but its torch sees "
+                           "none, so the fine-tune would run on the CPU in fp32", "install a CUDA build of torch "
+                           f"(docs/scale-out.md, 'A GPU node'), or set {stage}.device=cpu")
+    if device is Device.cuda and not gpu_visible():
+        raise RegraftError(f"{stage}.device=cuda", "this machine has no GPU",
+                           f"run where one is (launcher=slurm), or set {stage}.device=auto")
+    if gpus and device is not Device.cpu and cfg["nproc"] > gpus:
         raise RegraftError(f"{stage}.nproc={cfg['nproc']}", f"this machine has {gpus} GPUs, one rank each",
                            f"set {stage}.nproc={gpus}, or run on Slurm (launcher=slurm) across nodes")
 
