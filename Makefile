@@ -21,7 +21,7 @@ REF_VENV := .venv-ref
 REF_STAMP := $(REF_VENV)/.installed
 REF := transformers==5.19.0 pydantic typer rich
 
-.PHONY: run test bench figures clean-outputs venv venv-vllm venv-ref
+.PHONY: run test bench figures clean-outputs venv venv-vllm venv-ref gpu-check
 
 venv: $(STAMP)
 
@@ -73,6 +73,11 @@ test: $(STAMP)
 figures: $(STAMP)
 	$(BIN)/regraft
 	$(BIN)/python bench/figures.py $(if $(wildcard $(VLLM_VENV)/bin/python),--vllm)  # vLLM beside hf, given the engine venv
+
+# the first thing to run on a machine with a GPU: debug=tiny end to end on it (DeepSpeed, NCCL, bf16), with vLLM's GPU
+# engine where installed, then bench/gpu.py; one table of what passed (bench/gpu_check.py)
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/vocab_map.py

@@ -1,5 +1,7 @@
 """Benchmark for a GPU: one TTT training step at the Kimi-K2.5 drafter's shape, for each drafter family, beside
-NeMo Automodel 0.7.0's trainer doing the same step on the same GPU; and vLLM's hidden-state extraction rate.
+NeMo Automodel 0.7.0's trainer doing the same step on the same GPU; the fine-tune stage's own loop on one rank
+(DeepSpeed, AdamW, bf16, the target head on the GPU) with its peak memory beside the estimate the plan uses; and
+vLLM's hidden-state extraction rate.
 
 The shape is the seeds' Kimi-K2.5 drafter (SpecForge PR #108, ../shared/field-notes.md): hidden 7168, 64 heads of
 128, intermediate 18432, draft vocab 32,000 of a 163,840-id target, MLA drafters with kv_lora_rank 512, rope 64,
@@ -35,11 +37,11 @@ REFERENCE_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
 
 
 def shape(scale: int) -> dict:
-    """The Kimi-K2.5 drafter's sizes, each width divided by `scale` (MLA's latent and rope widths kept)."""
+    """The Kimi-K2.5 drafter's sizes, each width divided by `scale` (head width and MLA's latent and rope widths
+    kept). Its attention is wider than its hidden state (64 heads x 128 = 8192 against 7168), as the drafter's is."""
     sizes = dict(KIMI)
     for key in ("hidden", "heads", "intermediate", "draft_vocab", "target_vocab", "q_lora_rank"):
         sizes[key] = max(1, sizes[key] // scale)
-    sizes["hidden"] = sizes["heads"] * sizes["head_dim"]
     return sizes
 
 
@@ -94,6 +96,59 @@ def regraft_step(family: str, sizes: dict, seq: int, ttt_steps: int, steps: int,
         drafter.zero_grad(set_to_none=True)
 
     return timed(step, steps, seq, device) | {"params": sum(p.numel() for p in drafter.parameters())}
+
+
+def finetune_path(family: str, sizes: dict, seq: int, ttt_steps: int, steps: int, device: str) -> dict:
+    """The fine-tune stage's own loop (`stages.finetune.loop.train`) on one rank for `steps` optimizer steps:
+    DeepSpeed (ZeRO-0; bf16 on a GPU), AdamW, the target's head on the rank's device, and batches of cached states
+    from host memory, moved as the stage moves them (pinned, read ahead); beside it, the fake-tensor estimate of
+    the same rank's peak (`stages.finetune.memory`). Its tokens/s is the loop's own (metrics.jsonl), the step after
+    one warm-up."""
+    import torch
+
+    from stages.common.contract.stage import compose_stage
+    from stages.common.data.feature_shards import TensorRows
+    from stages.common.drafter.config import DrafterConfig, FAMILY_FLAGS
+    from stages.common.drafter.eagle3 import Eagle3Drafter
+    from stages.common.drafter.target import TargetHead
+    from stages.common.drafter.vocab import VocabMap
+    from stages.finetune import init_distributed
+    from stages.finetune.loop import MetricsLog, Progress, train
+    from stages.finetune.memory import fine_tune_memory
+
+    rank_device = init_distributed(False, 0, "cpu" if device == "cpu" else "auto")
+    dtype = torch.bfloat16 if rank_device.type == "cuda" else torch.float32
+    config = DrafterConfig(layer=layer_fields(family, sizes), draft_vocab_size=sizes["draft_vocab"],
+                           **FAMILY_FLAGS[family])
+    ids = torch.randperm(sizes["target_vocab"], generator=torch.Generator().manual_seed(0))[: sizes["draft_vocab"]]
+    drafter = Eagle3Drafter.initialised(config, VocabMap.from_target_ids(ids.sort().values, sizes["target_vocab"]))
+    drafter.to(rank_device)
+    generator = torch.Generator().manual_seed(1)
+    head = TargetHead.of(torch.randn(sizes["target_vocab"], sizes["hidden"], generator=generator),
+                         torch.randn(sizes["target_vocab"], sizes["hidden"], generator=generator) / 64)
+    head = TargetHead.of(head.embedding.weight.to(rank_device, dtype), head.lm_head.to(rank_device, dtype))
+    rows = 1 + steps
+    data = TensorRows({"input_ids": torch.randint(0, sizes["target_vocab"], (rows, seq), generator=generator),
+                       "attention_mask": torch.ones(rows, seq, dtype=torch.long),
+                       "loss_mask": torch.ones(rows, seq, dtype=torch.long),
+                       "aux_hidden": torch.randn(rows, seq, 3 * sizes["hidden"], generator=generator).to(dtype),
+                       "last_hidden": torch.randn(rows, seq, sizes["hidden"], generator=generator).to(dtype)})
+    with tempfile.TemporaryDirectory() as work:
+        cfg = compose_stage("finetune", ["target=unused", "vocab_map=unused", f"out={work}/out", "init=scratch",
+                                         f"ttt_steps={ttt_steps}", "micro_batch_size=1", f"max_length={seq}",
+                                         f"max_steps={rows}", "val_fraction=0", "log_every=1",
+                                         "checkpoint_every=1000000", "deepspeed.zero_stage=0"])
+        if rank_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        log = MetricsLog(Path(work) / "metrics.jsonl", resume_step=0, enabled=True)
+        train(cfg, drafter, head, data, TensorRows({key: value[:0] for key, value in data.data.items()}),
+              Path(work), log, Progress())
+        lines = [json.loads(line) for line in (Path(work) / "metrics.jsonl").read_text().splitlines()]
+    estimate = fine_tune_memory(config, micro_batch=1, seq=seq, ttt_steps=ttt_steps, zero_stage=0, gpus_per_node=1,
+                                dtype=dtype)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if rank_device.type == "cuda" else None
+    return {"tokens_s": lines[-1]["tokens_per_s"], "peak_gib": peak, "estimate_gib": estimate.total / 2**30,
+            "loss": lines[-1]["loss"], "device": str(rank_device), "dtype": str(dtype).removeprefix("torch.")}
 
 
 def timed(step, steps: int, seq: int, device: str) -> dict:
@@ -176,6 +231,18 @@ def table(rows: list[dict], sizes: dict, seq: int, ttt_steps: int, device: str, 
     return "\n".join(lines)
 
 
+def loop_table(rows: list[dict]) -> str:
+    """The fine-tune stage's own loop on one rank, its measured peak beside the fake-tensor estimate."""
+    lines = ["| family | the stage's loop tok/s | peak GiB | estimated GiB | on | loss |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        loop = row["loop"]
+        peak = f"{loop['peak_gib']:.1f}" if loop["peak_gib"] is not None else "-"
+        lines.append(f"| {row['family']} | {loop['tokens_s']:,.0f} | {peak} | {loop['estimate_gib']:.1f} | "
+                     f"{loop['device']} {loop['dtype']} | {loop['loss']:.3f} |")
+    return "\n".join(lines + ["", "The stage's loop: stages.finetune.loop.train on one rank (DeepSpeed ZeRO-0, AdamW, "
+                               "the target head on the device), tokens/s its own; estimated: stages.finetune.memory."])
+
+
 def device_name(device: str) -> str:
     import torch
 
@@ -207,9 +274,11 @@ def main() -> int:
         ours = regraft_step(family, sizes, args.seq, args.ttt_steps, args.steps, args.device)
         torch.cuda.empty_cache() if args.device.startswith("cuda") else None
         rows.append({"family": family, "regraft": ours,
-                     "nemo": nemo_step(family, sizes, args.seq, args.ttt_steps, args.steps, args.device)})
+                     "nemo": nemo_step(family, sizes, args.seq, args.ttt_steps, args.steps, args.device),
+                     "loop": finetune_path(family, sizes, args.seq, args.ttt_steps, args.steps, args.device)})
+        torch.cuda.empty_cache() if args.device.startswith("cuda") else None
     report = table(rows, sizes, args.seq, args.ttt_steps, device_name(args.device),
-                   vllm_rate(args.vllm_python, args.vllm_target, args.vllm_data))
+                   vllm_rate(args.vllm_python, args.vllm_target, args.vllm_data)) + "\n\n" + loop_table(rows)
     print(report)
     if args.write:
         from figures import write_blocks, written  # bench/figures.py, beside this file
