@@ -65,8 +65,8 @@ def batch_script(launcher: SlurmLauncher, node: Node, config: dict[str, Any]) ->
     if resumable(config):
         resources["additional_parameters"] = {"requeue": True, **(resources.get("additional_parameters") or {})}
     executor = launcher.executor(node, [], resources)
-    return executor._executor._make_submission_file_text("<submitit's python -m submitit.core._submit FOLDER>",
-                                                         "plan")  # noqa: SLF001 (submitit has no public form)
+    return executor._make_submission_file_text("<submitit's python -m submitit.core._submit FOLDER>",
+                                               "plan")  # noqa: SLF001 (submitit has no public form)
 
 
 def node_row(node: Node, hit: bool, resources: dict[str, Any], figures: Estimate) -> dict[str, Any]:
