@@ -2,12 +2,13 @@
 Slurm, stages chained with afterok dependencies) or `launcher=inline` (this process, for debugging).
 
 Every launcher runs `pipelines.jobs.run_stage` and hands back submitit-like jobs; the orchestrator asks each one
-`finished(job)` and `outcome(job)`. Local jobs start only once their inputs exist (the local executor has no
-queue); Slurm jobs are all submitted at once and wait in Slurm's queue on their upstream jobs.
+`can_start(node)`, then `finished(job)` and `outcome(job)`. Local jobs start only once their inputs exist (the local
+executor has no queue) and the GPUs they hold are free; Slurm jobs are all submitted at once and wait in Slurm's
+queue on their upstream jobs.
 
 What a node's stage holds (its schema's `holds`: GPUs, ranks, a server; stages/common/contract/hardware.py) on a
-node of `launcher.node_gpus` GPUs (pipelines/node_gpus.py) is asked of Slurm in each job, and refused before any
-work where a node has fewer.
+node of `launcher.node_gpus` GPUs (pipelines/node_gpus.py) is asked of Slurm in each job, and decides which GPU ids
+a local job gets (CUDA_VISIBLE_DEVICES) and when it may start.
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.dag import Node, base_name
-from pipelines.jobs import (resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage, schema_module,
-                           stage_names)
-from pipelines.node_gpus import NodeGpus, slurm_node, this_machine, where_counted
+from pipelines.jobs import (OnGpus, resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage,
+                           schema_module, stage_names)
+from pipelines.node_gpus import GpuPool, NodeGpus, slurm_node, this_machine, where_counted
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import SCHEMAS, check_config
@@ -188,6 +189,10 @@ class Launcher:
     def prepare(self, nodes: list[Node]) -> None:
         """Called once before dispatching, with the nodes that will (probably) run."""
 
+    def can_start(self, node: Node) -> bool:
+        """Whether the node's job may be submitted now, its inputs being ready (or chained)."""
+        return True
+
     def submit(self, node: Node, config: DictConfig, after: list[Any]) -> Any:
         raise NotImplementedError
 
@@ -236,10 +241,6 @@ class SubmititLauncher(Launcher):
     def executor(self, node: Node, after: list[Any]):
         raise NotImplementedError
 
-    def submit(self, node: Node, config: DictConfig, after: list[Any]):
-        executor = self.executor(node, after)
-        return executor.submit(run_stage, node.stage, OmegaConf.to_container(config))
-
     def outcome(self, job) -> StageOutcome:
         """The job's result, or its stage's own error line (a job killed before it could leave one: how it ended)."""
         import submitit
@@ -259,12 +260,32 @@ class LocalLauncher(SubmititLauncher):
     Jobs are started with SIGINT ignored, so the terminal's Ctrl-C reaches regraft alone (a job's controller would
     print a KeyboardInterrupt traceback); regraft cancels them with SIGTERM, which submitit's controller forwards to
     the stage: a fine-tune saves a checkpoint and stops, anything else ends at once. `stop` waits for them.
+
+    A job whose stage holds GPUs (or that per_stage/per_node give `gpus_per_node`) gets that many of the node's ids,
+    none held by a running job, as its CUDA_VISIBLE_DEVICES, and starts only once they are free (`can_start`); a job
+    that holds none runs beside any other, with no GPU visible (submitit's local executor sets CUDA_VISIBLE_DEVICES
+    empty).
     """
 
     def __init__(self, cfg: DictConfig, folder: Path):
         super().__init__(cfg, folder)
         self.warm = None
         self.resumable: dict[str, bool] = {}  # by job id: a stage that saves and stops on SIGTERM
+        self.pool: GpuPool | None = None
+
+    def gpu_pool(self) -> GpuPool:
+        if self.pool is None:
+            self.check_machine(planning=False)  # launcher.node_gpus is no more than this machine shows
+            self.pool = GpuPool(self.node_gpus().ids)
+        return self.pool
+
+    def can_start(self, node: Node) -> bool:
+        """When the GPUs the node holds are free; one that needs more than the node has is refused, not waited on."""
+        wanted = self.gpus_asked(node)
+        if not wanted:
+            return True
+        self.check_gpus(node)
+        return len(self.gpu_pool().free()) >= wanted
 
     def prepare(self, nodes: list[Node]) -> None:
         if nodes and self.cfg.get("warm", False):
@@ -282,12 +303,22 @@ class LocalLauncher(SubmititLauncher):
         executor.update_parameters(timeout_min=resources.get("timeout_min", 24 * 60))
         return executor
 
+    def function(self, node: Node) -> Callable[[str, dict[str, Any]], StageOutcome]:
+        """What the node's job calls with its stage and config (a test may record what a job was given instead)."""
+        return run_stage
+
     def submit(self, node: Node, config: DictConfig, after: list[Any]):
+        wanted = self.gpus_asked(node)
+        gpus = tuple(self.gpu_pool().free()[:wanted]) if wanted else ()
+        function = self.function(node)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the job's controller and tasks
         try:
-            job = super().submit(node, config, after)
+            job = self.executor(node, after).submit(OnGpus(function, gpus) if gpus else function, node.stage,
+                                                    OmegaConf.to_container(config))
         finally:
             signal.signal(signal.SIGINT, previous)
+        if gpus:
+            self.gpu_pool().hold(job, gpus)
         self.resumable[job.job_id] = resumable(OmegaConf.to_container(config))
         return job
 

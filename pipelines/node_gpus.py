@@ -1,7 +1,8 @@
-"""The GPUs a node has, and where that figure came from.
+"""The GPUs a node has, where that figure came from, and which of them each local job holds.
 
 In: `launcher.node_gpus` (an int, or None to count them), and for Slurm the partition jobs go to.
-Out: `NodeGpus` (the count, whether it is known, what said so, and this machine's ids).
+Out: `NodeGpus` (the count, whether it is known, what said so, and this machine's ids), and `GpuPool`, which hands
+the local launcher's jobs disjoint GPU ids and takes them back when a job's process has ended.
 
     this_machine(None)           # NodeGpus(count=8, known=True, said="counted here by /dev/nvidia*", ids=("0", ...))
     slurm_node(None, "gpu")      # read from `sinfo -p gpu`: "gpu:h100:8" -> 8; sinfo silent -> 0, not known
@@ -12,6 +13,7 @@ import os
 import re
 import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 from stages.common.contract.hardware import visible_gpu_ids
 
@@ -69,3 +71,21 @@ def slurm_node(setting: int | None, partition: str | None) -> NodeGpus:
         return NodeGpus(0, False, f"not known: sinfo did not answer for {where} here, so CPU nodes are assumed; "
                                   "set launcher.node_gpus= to the GPUs of a node")
     return NodeGpus(read[0], True, read[1])
+
+
+class GpuPool:
+    """The ids of the local node's GPUs, and the jobs holding them. A job holds its ids until its process has
+    ended (a cancelled fine-tune still saving its checkpoint holds them too)."""
+
+    def __init__(self, ids: tuple[str, ...]):
+        self.ids = ids
+        self.held: list[tuple[Any, tuple[str, ...]]] = []  # (submitit job, its ids)
+
+    def free(self) -> list[str]:
+        self.held = [(job, ids) for job, ids in self.held if not job.done()]
+        taken = {gpu for _, ids in self.held for gpu in ids}
+        return [gpu for gpu in self.ids if gpu not in taken]
+
+    def hold(self, job: Any, ids: tuple[str, ...]) -> None:
+        if ids:
+            self.held.append((job, ids))

@@ -1,9 +1,11 @@
 """The resources a node's job gets (pipelines/launchers.py::Launcher.resources): what its stage holds (GPUs, ranks)
 over `launcher.resources`, `launcher.per_stage.<stage>` for every node of the stage over that,
 `launcher.per_node.<name>` over it; a per_stage key that is not a stage is refused; GPUs a node lacks are refused
-before any work, and Slurm is asked for them; a Slurm run needs Slurm's commands here."""
+before any work; Slurm is asked for them, and the local launcher runs jobs side by side only on GPUs no other job
+holds (CUDA_VISIBLE_DEVICES)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -208,6 +210,90 @@ def test_slurm_without_its_commands_is_refused_for_a_run_not_for_a_plan(monkeypa
     for command in ("sbatch", "squeue", "scontrol", "scancel"):
         (tmp_path / command).symlink_to("/bin/true")
     slurm.check_machine(planning=False)
+
+
+class Recording(LocalLauncher):
+    """The local launcher with its jobs running tests/gpu_jobs.py::record in place of their stage."""
+
+    def function(self, node):
+        from tests.gpu_jobs import record
+
+        return record
+
+
+def engine(name: str, stage: str, gpus: int, folder: Path, *meet: str) -> Node:
+    """A node whose stage holds `gpus` on a GPU node: features or probe on vLLM at that tensor-parallel size."""
+    return node(name, stage, backend="vllm", vllm={"tensor_parallel_size": gpus}, job=name, record=str(folder),
+                meet=list(meet))
+
+
+def run_recorded(nodes: list[Node], folder: Path, warm: bool, max_parallel: int | None = None) -> dict[str, dict]:
+    from rich.console import Console
+
+    from pipelines.runner import run_dag
+
+    local = Recording(OmegaConf.create({"name": "local", "warm": warm}), folder / "jobs")
+    local.prepare(nodes)
+    assert local.warm is None if not warm else local.warm.alive()
+    run_dag(nodes, folder / "cache", local, None, Console(quiet=True), poll_s=0.05, max_parallel=max_parallel)
+    return {n.name: json.loads((folder / f"{n.name}.json").read_text()) for n in nodes}
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["plain", "warm"])
+def test_local_jobs_run_side_by_side_only_on_gpus_no_other_job_holds(tmp_path, monkeypatch, warm):
+    """A node of two GPUs: two 1-GPU jobs run together (each waits for the other to start), each on its own GPU;
+    two 2-GPU jobs run one after the other, on both; a CPU job runs beside a GPU job and sees no GPU."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # what a scheduler would give regraft: this node's GPUs
+    nodes = [engine("a", "features", 1, tmp_path, "b"), engine("b", "features", 1, tmp_path, "a"),
+             engine("c", "probe", 2, tmp_path, "e"), engine("d", "probe", 2, tmp_path),
+             node("e", "vocab_map", job="e", record=str(tmp_path), meet=["c"])]
+    seen = run_recorded(nodes, tmp_path, warm)
+    assert {seen["a"]["gpus"], seen["b"]["gpus"]} == {"0", "1"}  # disjoint, at the same time
+    assert seen["c"]["gpus"] == seen["d"]["gpus"] == "0,1" and seen["e"]["gpus"] == ""
+    assert seen["c"]["start"] > max(seen["a"]["end"], seen["b"]["end"])  # it waited for both GPUs
+    assert seen["d"]["start"] > seen["c"]["end"] or seen["c"]["start"] > seen["d"]["end"]  # never together
+
+
+class Ended:
+    """A job as the pool sees it."""
+
+    def __init__(self, ended: bool):
+        self.ended = ended
+
+    def done(self) -> bool:
+        return self.ended
+
+
+def test_a_gpu_job_may_start_only_on_free_gpus_and_per_node_can_reserve_a_servers(monkeypatch):
+    """A stage that holds no GPU may start whatever runs; `per_node.<name>.gpus_per_node` makes a job hold GPUs its
+    stage does not (a server it asks at a URL, running on this node's GPUs)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    local = LocalLauncher(OmegaConf.create({"name": "local", "per_node": {"regenerate": {"gpus_per_node": 2}}}),
+                          Path("unused"))
+    regenerate, vocab, probe = node("regenerate", "regenerate", engine="openai"), node("vocab_map", "vocab_map"), \
+        node("probe", "probe", backend="vllm", vllm={"tensor_parallel_size": 1})
+    assert [local.gpus_asked(n) for n in (regenerate, vocab, probe)] == [2, 0, 1]
+    busy = Ended(False)
+    local.gpu_pool().hold(busy, ("1",))
+    assert [local.can_start(n) for n in (regenerate, vocab, probe)] == [False, True, True]
+    busy.ended = True
+    assert local.can_start(regenerate)
+
+
+def test_max_parallel_still_holds_jobs_that_would_fit_on_the_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    seen = run_recorded([engine("a", "features", 1, tmp_path), engine("b", "features", 1, tmp_path)], tmp_path,
+                        warm=False, max_parallel=1)
+    assert seen["b"]["start"] > seen["a"]["end"] and seen["a"]["gpus"] == seen["b"]["gpus"] == "0"
+
+
+def test_a_local_job_that_needs_more_gpus_than_the_node_is_refused_not_waited_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(RegraftError, match=r"^launcher.node_gpus=null: big holds .* 4 GPU\(s\) a node, serving vLLM, "
+                                           r"tensor-parallel 4, but a node has 2 GPU\(s\) \(counted here by "
+                                           r"CUDA_VISIBLE_DEVICES\)"):
+        run_recorded([engine("big", "probe", 4, tmp_path)], tmp_path, warm=False)
+    assert not list(tmp_path.glob("*.start"))  # never started
 
 
 def test_a_slurm_run_on_a_machine_without_slurm_stops_before_any_work(tmp_path):

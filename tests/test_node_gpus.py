@@ -1,5 +1,5 @@
-"""The GPUs of a node (pipelines/node_gpus.py): launcher.node_gpus, this machine's count, and sinfo's gres of a
-partition (a fake `sinfo` on PATH here)."""
+"""The GPUs of a node (pipelines/node_gpus.py): launcher.node_gpus, this machine's count, sinfo's gres of a
+partition (a fake `sinfo` on PATH here), and the pool that hands a local job's GPU ids out and takes them back."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.node_gpus import gres_gpus, partition_gpus, slurm_node, this_machine
+from pipelines.node_gpus import GpuPool, gres_gpus, partition_gpus, slurm_node, this_machine
 
 SINFO = "debug*|(null)\ngpu|gpu:h100:8(S:0-1)\ngpu|gpu:h100:4(S:0)\nmixed|gpu:a100:4,gpu:v100:2,shard:16\n"
 
@@ -59,6 +59,26 @@ def test_this_machine_counts_what_cuda_visible_devices_shows_or_takes_the_settin
     assert this_machine(5).ids == ("2", "3", "GPU-8a1f")  # fewer than said: the launcher's check_machine refuses it
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert (this_machine(None).count, this_machine(None).ids) == (0, ())
+
+
+class Job:
+    def __init__(self):
+        self.ended = False
+
+    def done(self) -> bool:
+        return self.ended
+
+
+def test_the_pool_gives_each_job_free_ids_and_takes_them_back_when_it_ends():
+    pool, first, second = GpuPool(("0", "1", "2")), Job(), Job()
+    pool.hold(first, ("0", "1"))
+    assert pool.free() == ["2"]
+    pool.hold(second, ("2",))
+    assert pool.free() == []
+    first.ended = True
+    assert pool.free() == ["0", "1"]
+    pool.hold(Job(), ())  # a job that holds none takes nothing
+    assert pool.free() == ["0", "1"]
 
 
 @pytest.mark.skipif(os.environ.get("CUDA_VISIBLE_DEVICES") is not None, reason="counts /dev/nvidia* only without it")
