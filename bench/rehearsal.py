@@ -53,6 +53,7 @@ MACHINE = {
                            "(one), and greedy paths part where two tokens nearly tie (this rehearsal found it); "
                            "float32 holds them token for token",
     "features.vllm_connector=cpu": "vLLM's stock hidden-states connector pins memory, which needs a GPU",
+    "launcher.node_gpus=null": "the experiment's node has 8 GPUs, this machine none: counted here, no stage holds one",
 }
 SERVER_TOKENS = 12  # greedy tokens per prompt in the server-vs-transformers check
 # the miniature's training steps: after 60 its greedy answers were chat-template tokens in a loop, which its sampled

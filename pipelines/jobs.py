@@ -4,7 +4,8 @@ Submitit pickles `run_stage` by reference, so a job needs nothing but this repos
 the cache again under the lock: a sweep member that started the same stage first leaves a complete output, and
 this one reports a hit instead of running it twice.
 
-On Slurm two more shapes exist (pipelines/launchers.py picks them):
+Locally, a job whose stage holds GPUs runs `OnGpus`: the stage with CUDA_VISIBLE_DEVICES set to the GPUs its
+job was given. On Slurm two more shapes exist (pipelines/launchers.py picks them):
 - `run_ranks`: one task of a multi-task job (`tasks_per_node` > 1) is one rank of a `RankedStage` (finetune).
   Only rank 0 takes the lock and
   looks at the cache, then tells the other ranks over a gloo group; only rank 0 writes the output.
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -157,6 +158,20 @@ def run_stage(stage: str, config: dict[str, Any]) -> StageOutcome:
         result = module.run(cfg)
         seconds = time.perf_counter() - start
     return StageOutcome(str(out), False, dict(result.metrics), result.headline, seconds)
+
+
+@dataclass(frozen=True)
+class OnGpus:
+    """A local job's function, run with CUDA_VISIBLE_DEVICES set to the GPU ids the launcher gave its job, before
+    anything starts CUDA (an engine the stage starts inherits them). submitit's local executor sets the variable
+    empty, and its own `visible_gpus` takes integers only, where an id may be a GPU's UUID."""
+
+    function: Callable[[str, dict[str, Any]], StageOutcome]
+    gpus: tuple[str, ...]
+
+    def __call__(self, stage: str, config: dict[str, Any]) -> StageOutcome:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
+        return self.function(stage, config)
 
 
 # A submitter's leftovers: sbatch exports the submitting environment into the job, and a rank must take its own.

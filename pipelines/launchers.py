@@ -2,8 +2,13 @@
 Slurm, stages chained with afterok dependencies) or `launcher=inline` (this process, for debugging).
 
 Every launcher runs `pipelines.jobs.run_stage` and hands back submitit-like jobs; the orchestrator asks each one
-`finished(job)` and `outcome(job)`. Local jobs start only once their inputs exist (the local executor has no
-queue); Slurm jobs are all submitted at once and wait in Slurm's queue on their upstream jobs.
+`can_start(node)`, then `finished(job)` and `outcome(job)`. Local jobs start only once their inputs exist (the local
+executor has no queue) and the GPUs they hold are free; Slurm jobs are all submitted at once and wait in Slurm's
+queue on their upstream jobs.
+
+What a node's stage holds (its schema's `holds`: GPUs, ranks, a server; stages/common/contract/hardware.py) on a
+node of `launcher.node_gpus` GPUs (pipelines/node_gpus.py) is asked of Slurm in each job, and decides which GPU ids
+a local job gets (CUDA_VISIBLE_DEVICES) and when it may start.
 """
 from __future__ import annotations
 
@@ -17,14 +22,16 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.dag import Node, base_name
-from pipelines.jobs import (resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage, schema_module,
-                           stage_names)
+from pipelines.jobs import (OnGpus, resumable, StageFailed, StageOutcome, error_line, reported_error, run_stage,
+                           schema_module, stage_names)
+from pipelines.node_gpus import GpuPool, NodeGpus, slurm_node, this_machine, where_counted
 from stages.common.contract.errors import RegraftError
+from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import SCHEMAS, check_config
 
 
@@ -58,22 +65,55 @@ def check_per_stage(cfg: DictConfig) -> None:
                                f"for the node named {key} alone use launcher.per_node.{key}")
 
 
+HELD = "held"  # the layer of a job's resources that its stage's holds gives (no config path: the stage's own settings)
+
+
+def held_resources(holds: Holds) -> dict[str, int]:
+    """What a stage holds as a job's resources: only what differs from a job that holds nothing (1 node, 1 task, no
+    GPU), so a stage that holds no GPU keeps `launcher.resources`' own."""
+    wanted = {"gpus_per_node": holds.gpus} if holds.gpus else {}
+    if (holds.nodes, holds.tasks_per_node) != (1, 1):
+        wanted.update(nodes=holds.nodes, tasks_per_node=holds.tasks_per_node)
+    return wanted
+
+
 class Launcher:
     chains = False  # True: submits jobs whose inputs do not exist yet, with scheduler dependencies
     in_process = False  # True: submit runs the stage itself
 
     def __init__(self, cfg: DictConfig, folder: Path):
         self.cfg, self.folder = cfg, folder
+        self.gpus: NodeGpus | None = None  # a node's GPUs, read once when first asked
         check_per_stage(cfg)
+
+    def node_gpus(self) -> NodeGpus:
+        """The GPUs of a node this launcher runs stages on: launcher.node_gpus, or counted on this machine."""
+        if self.gpus is None:
+            self.gpus = this_machine(self.cfg.get("node_gpus"))
+        return self.gpus
+
+    def holds(self, node: Node) -> Holds:
+        """What the node's stage holds on a node of `node_gpus` (its schema's `holds`; nothing without one)."""
+        schema = schema_module(node.stage)
+        if not hasattr(schema, "holds"):
+            return Holds()
+        config = node.config
+        if node.stage in SCHEMAS:  # its defaults under a node config that leaves some out
+            config = OmegaConf.structured(SCHEMAS[node.stage])
+            OmegaConf.set_struct(config, False)
+            config = OmegaConf.merge(config, node.config)
+        return schema.holds(config, self.node_gpus().count)
 
     def layers(self, node: Node) -> list[tuple[str, Any]]:
         """The settings a node's job gets, least specific first, each as (its config path, its value):
-        `launcher.resources` (every job), `launcher.per_stage.<stage>` (every node of the node's stage: a race's
-        rungs and `source_drafter` are finetune nodes; `evaluate`, `baseline_evaluate` and a race finalist's
-        evaluation are probe nodes), `launcher.per_node.<name>` by what the node is (`features` for
-        `features_3#2`), then by its name in one member (`features_3`), then by its exact name. Only those present."""
+        `launcher.resources` (every job), what the node's stage holds (GPUs, ranks: `held_resources`),
+        `launcher.per_stage.<stage>` (every node of the node's stage: a race's rungs and `source_drafter` are
+        finetune nodes; `evaluate`, `baseline_evaluate` and a race finalist's evaluation are probe nodes),
+        `launcher.per_node.<name>` by what the node is (`features` for `features_3#2`), then by its name in one
+        member (`features_3`), then by its exact name. Only those present."""
         per_stage, per_node = self.cfg.get("per_stage") or {}, self.cfg.get("per_node") or {}
         found = [("launcher.resources", self.cfg.get("resources") or {})]
+        found.append((HELD, held_resources(self.holds(node))))
         found.append((f"launcher.per_stage.{node.stage}", per_stage.get(node.stage)))
         for name in dict.fromkeys([base_name(node.name), node.name.split("#")[0], node.name]):
             found.append((f"launcher.per_node.{name}", per_node.get(name)))
@@ -90,9 +130,47 @@ class Launcher:
         """The config path that gives the node's job `key` (the most specific layer that has it), for a fix that
         names it; a node-wide one when only `launcher.resources` has it (changing that changes every job)."""
         paths = [path for path, value in self.layers(node) if key in value]
-        if not paths or paths[-1] == "launcher.resources":
+        if not paths or paths[-1] in ("launcher.resources", HELD):
             return f"launcher.per_node.{node.name}.{key}"
         return f"{paths[-1]}.{key}"
+
+    def check_machine(self, planning: bool) -> None:
+        """Before any work, once: whether this machine can run what the launcher was told of it. Here: the GPUs
+        launcher.node_gpus says a node has are there (a local job gets them as CUDA_VISIBLE_DEVICES)."""
+        gpus = self.node_gpus()
+        if len(gpus.ids) < gpus.count:
+            raise RegraftError(f"launcher.node_gpus={gpus.count}", f"this machine shows {len(gpus.ids)} GPU(s) "
+                               f"({where_counted()})", "set launcher.node_gpus=null to count them, or run where "
+                               f"{gpus.count} are (launcher=slurm asks a cluster for them)")
+
+    def gpus_asked(self, node: Node) -> int:
+        """The GPUs the node's job gets: what its stage holds, unless per_stage or per_node ask for more (a server
+        regraft does not start but that runs on the node's GPUs, say)."""
+        return int(self.resources(node).get("gpus_per_node") or 0)
+
+    def check_gpus(self, node: Node) -> None:
+        """A node's job holds no more GPUs than a node has, where that count is known (else it would never start),
+        and no fewer than its stage holds (its engine or ranks would not start)."""
+        self.check_held_gpus(node)
+        gpus, held, asked = self.node_gpus(), self.holds(node), self.gpus_asked(node)
+        setting = self.setting_of(node, "gpus_per_node")
+        if gpus.known and asked > gpus.count:
+            raise RegraftError(f"{setting}={asked}", f"asks for more GPUs than a node has ({gpus.count}: {gpus.said})",
+                               f"set it to at most {gpus.count}, or drop it: {node.name} holds {held.gpus}")
+        if asked < held.gpus:
+            raise RegraftError(f"{setting}={asked}", f"{node.name} holds {held.describe()}",
+                               f"set it to {held.gpus}, or drop it")
+
+    def check_held_gpus(self, node: Node) -> None:
+        gpus, holds = self.node_gpus(), self.holds(node)
+        if not gpus.known or holds.gpus <= gpus.count:
+            return
+        setting = self.cfg.get("node_gpus")
+        lower = f"lower the stage's tensor-parallel size or ranks to {gpus.count}" if gpus.count else \
+            "let the stage compute on the CPU (its device)"
+        raise RegraftError(f"launcher.node_gpus={'null' if setting is None else setting}",
+                           f"{node.name} holds {holds.describe()}, but a node has {gpus.count} GPU(s) ({gpus.said})",
+                           f"{lower}, or run it where a node has {holds.gpus} (launcher.node_gpus={holds.gpus})")
 
     def check(self, node: Node, config: dict[str, Any]) -> None:
         """Before any work: whether this launcher can run the node as its config asks (RegraftError if not). The
@@ -106,9 +184,14 @@ class Launcher:
         for hook in ("check_ranks", "check_before_work"):
             if hasattr(hooks, hook):
                 getattr(hooks, hook)(config, node.stage)
+        self.check_gpus(node)
 
     def prepare(self, nodes: list[Node]) -> None:
         """Called once before dispatching, with the nodes that will (probably) run."""
+
+    def can_start(self, node: Node) -> bool:
+        """Whether the node's job may be submitted now, its inputs being ready (or chained)."""
+        return True
 
     def submit(self, node: Node, config: DictConfig, after: list[Any]) -> Any:
         raise NotImplementedError
@@ -158,10 +241,6 @@ class SubmititLauncher(Launcher):
     def executor(self, node: Node, after: list[Any]):
         raise NotImplementedError
 
-    def submit(self, node: Node, config: DictConfig, after: list[Any]):
-        executor = self.executor(node, after)
-        return executor.submit(run_stage, node.stage, OmegaConf.to_container(config))
-
     def outcome(self, job) -> StageOutcome:
         """The job's result, or its stage's own error line (a job killed before it could leave one: how it ended)."""
         import submitit
@@ -181,12 +260,32 @@ class LocalLauncher(SubmititLauncher):
     Jobs are started with SIGINT ignored, so the terminal's Ctrl-C reaches regraft alone (a job's controller would
     print a KeyboardInterrupt traceback); regraft cancels them with SIGTERM, which submitit's controller forwards to
     the stage: a fine-tune saves a checkpoint and stops, anything else ends at once. `stop` waits for them.
+
+    A job whose stage holds GPUs (or that per_stage/per_node give `gpus_per_node`) gets that many of the node's ids,
+    none held by a running job, as its CUDA_VISIBLE_DEVICES, and starts only once they are free (`can_start`); a job
+    that holds none runs beside any other, with no GPU visible (submitit's local executor sets CUDA_VISIBLE_DEVICES
+    empty).
     """
 
     def __init__(self, cfg: DictConfig, folder: Path):
         super().__init__(cfg, folder)
         self.warm = None
         self.resumable: dict[str, bool] = {}  # by job id: a stage that saves and stops on SIGTERM
+        self.pool: GpuPool | None = None
+
+    def gpu_pool(self) -> GpuPool:
+        if self.pool is None:
+            self.check_machine(planning=False)  # launcher.node_gpus is no more than this machine shows
+            self.pool = GpuPool(self.node_gpus().ids)
+        return self.pool
+
+    def can_start(self, node: Node) -> bool:
+        """When the GPUs the node holds are free; one that needs more than the node has is refused, not waited on."""
+        wanted = self.gpus_asked(node)
+        if not wanted:
+            return True
+        self.check_gpus(node)
+        return len(self.gpu_pool().free()) >= wanted
 
     def prepare(self, nodes: list[Node]) -> None:
         if nodes and self.cfg.get("warm", False):
@@ -204,12 +303,22 @@ class LocalLauncher(SubmititLauncher):
         executor.update_parameters(timeout_min=resources.get("timeout_min", 24 * 60))
         return executor
 
+    def function(self, node: Node) -> Callable[[str, dict[str, Any]], StageOutcome]:
+        """What the node's job calls with its stage and config (a test may record what a job was given instead)."""
+        return run_stage
+
     def submit(self, node: Node, config: DictConfig, after: list[Any]):
+        wanted = self.gpus_asked(node)
+        gpus = tuple(self.gpu_pool().free()[:wanted]) if wanted else ()
+        function = self.function(node)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the job's controller and tasks
         try:
-            job = super().submit(node, config, after)
+            job = self.executor(node, after).submit(OnGpus(function, gpus) if gpus else function, node.stage,
+                                                    OmegaConf.to_container(config))
         finally:
             signal.signal(signal.SIGINT, previous)
+        if gpus:
+            self.gpu_pool().hold(job, gpus)
         self.resumable[job.job_id] = resumable(OmegaConf.to_container(config))
         return job
 
@@ -265,18 +374,34 @@ class SlurmLauncher(SubmititLauncher):
         self.known: dict[str, Any] = {}  # one squeue answer for all of them, refreshed once per poll
         self.polled = 0.0
 
+    def node_gpus(self) -> NodeGpus:
+        """launcher.node_gpus, else what sinfo says of the partition's nodes, else 0 (not known: CPU nodes)."""
+        if self.gpus is None:
+            partition = (self.cfg.get("resources") or {}).get("slurm_partition")
+            self.gpus = slurm_node(self.cfg.get("node_gpus"), partition)
+        return self.gpus
+
+    def check_machine(self, planning: bool) -> None:
+        """A run submits from this machine, so Slurm's commands must be here; a plan only writes the scripts."""
+        from pipelines.slurm_jobs import missing_commands
+
+        missing = missing_commands()
+        if missing and not planning:
+            raise RegraftError("launcher=slurm", f"Slurm's commands are not on this machine ({', '.join(missing)} "
+                               "not on PATH)", "run regraft on a login node of the cluster, or plan here only: "
+                               "pipeline.plan=true writes each job's batch script")
+
     def executor(self, node: Node, after: list[Any], resources: dict[str, Any] | None = None):
-        import submitit
+        from pipelines.slurm_jobs import ScriptExecutor
 
         resources = dict(resources or self.resources(node))
-        executor = submitit.AutoExecutor(folder=self.folder / "%j", cluster="slurm",
-                                         slurm_python=self.cfg.get("python") or None,
-                                         slurm_max_num_timeout=self.cfg.get("max_num_timeout", 3))
+        executor = ScriptExecutor(self.folder / "%j", python=self.cfg.get("python") or None,
+                                  max_num_timeout=self.cfg.get("max_num_timeout", 3))
         extra = dict(resources.pop("additional_parameters", None) or {})
         if after:
             extra["dependency"] = "afterok:" + ":".join(job.job_id for job in after)
-        executor.update_parameters(name=f"regraft-{node.name}", slurm_additional_parameters=extra,
-                                   **{key: value for key, value in resources.items() if value is not None})
+        executor.set_resources({"name": f"regraft-{node.name}", "slurm_additional_parameters": extra,
+                                **{key: value for key, value in resources.items() if value is not None}})
         return executor
 
     def tasks(self, node: Node) -> int:
@@ -284,8 +409,10 @@ class SlurmLauncher(SubmititLauncher):
         return int(resources.get("tasks_per_node") or 1) * int(resources.get("nodes") or 1)
 
     def check(self, node: Node, config: dict[str, Any]) -> None:
-        """A multi-task job is one rank per task: only for a stage with ranks, and exactly its `nodes` x `nproc`,
-        laid out as the stage says (the layout is in its cache key)."""
+        """The GPUs a job asks for: at least what its stage holds, at most what a node has. A multi-task job is one
+        rank per task: only for a stage with ranks, and exactly its `nodes` x `nproc`, laid out as the stage says (the
+        layout is in its cache key)."""
+        self.check_gpus(node)
         resources = self.resources(node)
         per_node, nodes = int(resources.get("tasks_per_node") or 1), int(resources.get("nodes") or 1)
         if per_node * nodes > 1 and "nproc" not in config:

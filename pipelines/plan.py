@@ -1,15 +1,18 @@
 """`regraft ... pipeline.plan=true`: the run as it would go, checked and costed, with no stage run.
 
 Every check the pipeline makes before any work, all of them (not the first problem only); the DAG with each node's
-cache state (hit: a complete output is there; run: it would be computed) and its job's resources on the chosen
-launcher; and per node the estimates of pipelines/estimates.py, with their totals. It writes `plan.json` in the run
-folder and, with `launcher=slurm`, `plan/<node>.sbatch`: the batch script each job would be submitted with (its
-`--dependency` left out, as the upstream jobs have no ids yet; plan.json lists them). No stage output, no MLflow
-run. Exit 0 when every check passes, 1 when any does not.
+cache state (hit: a complete output is there; run: it would be computed), what its stage holds (GPUs, ranks, a
+server) on a node of `launcher.node_gpus` GPUs (and where that count came from) and its job's resources on the
+chosen launcher; and per node the estimates of pipelines/estimates.py, with their totals. It writes `plan.json` in
+the run folder and, with `launcher=slurm`, `plan/<node>.sbatch`: the batch script each job would be submitted with
+(its `--dependency` left out, as the upstream jobs have no ids yet; plan.json lists them). No stage output, no
+MLflow run. It needs no Slurm here: the batch scripts are written on any machine. Exit 0 when every check passes, 1
+when any does not.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from pipelines.estimates import Estimate, PlanContext, device_rate, estimate
 from pipelines.launchers import Launcher, SlurmLauncher, make_launcher
 from pipelines.preflight import problems_before_any_work
 from pipelines.runner import pending
+from stages.common.contract.hardware import Holds
 
 
 def plan_context(cfg: DictConfig, outputs: dict[str, Path]) -> tuple[PlanContext, str]:
@@ -44,12 +48,12 @@ def resources_of(launcher: Launcher, node: Node) -> dict[str, Any]:
 
 
 def job_shape(launcher_name: str, resources: dict[str, Any]) -> str:
-    """A job's resources in a few characters: `2x8 8g 12c 24h` is 2 nodes x 8 tasks, 8 GPUs and 12 CPUs a task, 24 h."""
+    """A job's resources in a few characters: `2x8 8g 12c 24h` is 2 nodes x 8 tasks, 8 GPUs a node and 12 CPUs a
+    task, 24 h; locally `local 8g`: a job on 8 of this machine's GPUs."""
+    gpus = f" {resources['gpus_per_node']}g" if resources.get("gpus_per_node") else ""
     if launcher_name != "slurm":
-        return {"inline": "inline", "local": "local"}.get(launcher_name, launcher_name)
-    shape = f"{resources.get('nodes', 1)}x{resources.get('tasks_per_node', 1)}"
-    if resources.get("gpus_per_node"):
-        shape += f" {resources['gpus_per_node']}g"
+        return {"inline": "inline", "local": "local" + gpus}.get(launcher_name, launcher_name)
+    shape = f"{resources.get('nodes', 1)}x{resources.get('tasks_per_node', 1)}" + gpus
     if resources.get("cpus_per_task"):
         shape += f" {resources['cpus_per_task']}c"
     minutes = resources.get("timeout_min")
@@ -65,13 +69,26 @@ def batch_script(launcher: SlurmLauncher, node: Node, config: dict[str, Any]) ->
     if resumable(config):
         resources["additional_parameters"] = {"requeue": True, **(resources.get("additional_parameters") or {})}
     executor = launcher.executor(node, [], resources)
-    return executor._executor._make_submission_file_text("<submitit's python -m submitit.core._submit FOLDER>",
-                                                         "plan")  # noqa: SLF001 (submitit has no public form)
+    return executor._make_submission_file_text("<submitit's python -m submitit.core._submit FOLDER>",
+                                               "plan")  # noqa: SLF001 (submitit has no public form)
 
 
-def node_row(node: Node, hit: bool, resources: dict[str, Any], figures: Estimate) -> dict[str, Any]:
+def slurm_notes() -> list[str]:
+    from pipelines.slurm_jobs import missing_commands
+
+    missing = missing_commands()
+    return [f"Slurm's commands are not on this machine ({', '.join(missing)}): the batch scripts are written here, "
+            "the run must start where sbatch is"] if missing else []
+
+
+def node_row(node: Node, hit: bool, holds: Holds, resources: dict[str, Any], figures: Estimate) -> dict[str, Any]:
     return {"node": node.name, "stage": node.stage, "phase": node.phase, "cached": hit, "after": node.upstream,
-            "resources": resources, **figures.as_dict()}
+            "holds": asdict(holds), "resources": resources, **figures.as_dict()}
+
+
+def node_gpus_line(launcher: Launcher) -> str:
+    gpus = launcher.node_gpus()
+    return f"node GPUs: {gpus.count} ({gpus.said})"
 
 
 def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -155,20 +172,25 @@ def plan_pipeline(cfg: DictConfig, run_dir: Path, console: Console) -> dict[str,
     for node in nodes:
         config = resolve(node.config, outputs)
         config.out = str(outputs[node.name])
-        rows.append(node_row(node, node.name not in will_run, resources_of(launcher, node),
+        rows.append(node_row(node, node.name not in will_run, launcher.holds(node), resources_of(launcher, node),
                              estimate(node.stage, config, context)))
         if isinstance(launcher, SlurmLauncher) and node.name in will_run:
             scripts[node.name] = batch_script(launcher, node, OmegaConf.to_container(config, resolve=True))
-    plan = {"problems": problems, "device": cfg.plan.device, "rate": rate_note, "nodes": rows,
+    gpus = launcher.node_gpus()
+    plan = {"problems": problems, "device": cfg.plan.device, "rate": rate_note,
+            "node_gpus": {"count": gpus.count, "known": gpus.known, "from": gpus.said}, "nodes": rows,
             "totals": totals(rows), "batch_scripts": {}, "notes": []}
     if cfg.pipeline.race:
         plan["notes"].append(RACE_NOTE)
+    if isinstance(launcher, SlurmLauncher):
+        plan["notes"] += slurm_notes()
     for name, text in scripts.items():
         path = run_dir / "plan" / f"{name}.sbatch"
         write_atomically(path, text)
         plan["batch_scripts"][name] = str(path)
     write_atomically(run_dir / "plan.json", json.dumps(plan, indent=2))
     console.print(plan_table(rows, plan["totals"], cfg.plan.device, cfg.launcher.name))
+    console.print(node_gpus_line(launcher), highlight=False, soft_wrap=True)
     console.print(f"device time: FLOPs over {rate_note}; plan.json has GPU-hours per node", highlight=False,
                   soft_wrap=True)
     unknown = sorted({name for key in ("gpu_hours", "feature_bytes", "checkpoint_bytes")

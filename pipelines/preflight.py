@@ -8,7 +8,8 @@ naming it and the fix, not after an hour of upstream stages with a traceback.
 - every input given as a path exists; chat files are not empty and start with a chat line;
 - a given source drafter is a readable checkpoint (its config and tensor headers) that fits a given target (hidden
   size, vocab size where the probe needs it); draft vocab sizes fit the target vocab;
-- the launcher can start what the stages ask for (Slurm tasks = finetune.nproc).
+- the launcher can start what the stages ask for: Slurm's commands are here (for a run, not a plan), a node has the
+  GPUs each stage holds (launcher.node_gpus; locally, this machine shows them), Slurm tasks = finetune.nproc.
 What needs a stage's output (a map built from data, the world's models) is checked by the stage that reads it.
 """
 from __future__ import annotations
@@ -163,10 +164,13 @@ class NoSecrets(BeforeRunFolder):
         refuse_secrets(config)
 
 
-def checks_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launcher) -> list[Callable[[], None]]:
-    """Every check above, cheapest first, each raising a RegraftError."""
+def checks_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launcher,
+                           planning: bool = False) -> list[Callable[[], None]]:
+    """Every check above, cheapest first, each raising a RegraftError. `planning`: for pipeline.plan, which submits
+    nothing (so needs no Slurm commands here)."""
     checks: list[Callable[[], None]] = [
-        lambda: refuse_secrets(cfg), lambda: check_config(cfg, RegraftConfig, ""), lambda: check_outputs_writable(cfg),
+        lambda: refuse_secrets(cfg), lambda: check_config(cfg, RegraftConfig, ""),
+        lambda: launcher.check_machine(planning), lambda: check_outputs_writable(cfg),
         lambda: check_tracking_reachable(cfg), lambda: check_given_inputs(cfg), lambda: check_models(cfg)]
     for node in nodes:
         checks.append(lambda node=node: launcher.check(node, OmegaConf.to_container(node.config, resolve=True,
@@ -184,7 +188,7 @@ def problems_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launc
     """Every problem the checks above find, each once (pipeline.plan lists them all). A check that breaks for
     another reason after a problem was found is that problem's knock-on, and is left out."""
     found: list[str] = []
-    for check in checks_before_any_work(cfg, nodes, launcher):
+    for check in checks_before_any_work(cfg, nodes, launcher, planning=True):
         try:
             check()
         except RegraftError as exc:

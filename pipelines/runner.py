@@ -149,8 +149,10 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: St
         if max_parallel and len(running) >= max_parallel:
             return False
         if launcher.chains:
-            return all(up in results or up in running for up in node.upstream)
-        return all(up in results for up in node.upstream)
+            ready = all(up in results or up in running for up in node.upstream)
+        else:
+            ready = all(up in results for up in node.upstream)
+        return ready and launcher.can_start(node)  # locally: the GPUs it holds are free
 
     def dispatch(node: Node) -> None:
         waiting.remove(node)

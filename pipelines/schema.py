@@ -93,6 +93,10 @@ class LauncherConfig:
     # probe, evaluate, baseline_evaluate, a race finalist's evaluation); keys are stages only (stages/*)
     per_node: dict[str, Any] = field(default_factory=dict)  # the same by node name, over per_stage (`evaluate`;
     # `features` is every part of it too, `features_2` one part)
+    # GPUs a node has, for what each stage holds (its schema's `holds`: an engine's tensor-parallel size, a
+    # fine-tune's ranks) to be asked of Slurm and handed out locally; None: counted (local: this machine's, by
+    # CUDA_VISIBLE_DEVICES or /dev/nvidia*; slurm: sinfo's gres of the partition's nodes, 0 when sinfo does not answer)
+    node_gpus: Optional[int] = setting(None, at_least=0)
     max_parallel: Optional[int] = setting(None, at_least=1)  # stage jobs at once (local, inline); None: no limit
     threads: Optional[int] = setting(None, at_least=1)  # torch threads per stage; None: cores // max_parallel
     warm: bool = False  # local: jobs fork from one interpreter that imported torch and the stages once

@@ -1,6 +1,7 @@
-"""Job states and waiting for submitit jobs on Slurm, reliable without accounting (no slurmdbd, no sacct).
+"""Job states and waiting for submitit jobs on Slurm, reliable without accounting (no slurmdbd, no sacct); the
+executor that writes their batch scripts on any machine, and whether Slurm's commands are here to submit them.
 
-In: submitit jobs (from `SlurmExecutor` / `AutoExecutor(cluster="slurm")`) or Slurm job ids.
+In: submitit jobs (from `ScriptExecutor` or submitit's own `SlurmExecutor`) or Slurm job ids.
 Out: their states, their `Dependency=`, and their results, or one `RegraftError` naming the log and the fix.
 
     from pipelines.slurm_jobs import dependency_of, job_state, wait_for
@@ -70,6 +71,31 @@ class JobInfo:
     state: str           # Slurm's JobState, or "UNKNOWN"
     reason: str = ""     # pending reason ("Dependency", "DependencyNeverSatisfied", ...), when Slurm knows the job
     source: str = ""     # "squeue", "scontrol", "results", "sacct" or "" (unknown)
+
+
+# What regraft runs on the machine it submits from: sbatch, and the state and cancel commands of this module.
+COMMANDS = ("sbatch", "squeue", "scontrol", "scancel")
+
+
+def missing_commands() -> list[str]:
+    return [command for command in COMMANDS if shutil.which(command) is None]
+
+
+class ScriptExecutor(submitit.SlurmExecutor):
+    """submitit's Slurm executor without its look for `srun` on this machine (its constructor refuses a machine
+    without one): the plan writes batch scripts anywhere, and a run asks for Slurm's commands itself
+    (`missing_commands`, before any work), naming the fix. srun runs inside the job, on a node of the cluster."""
+
+    @classmethod
+    def affinity(cls) -> int:
+        return 2
+
+    def set_resources(self, resources: dict[str, Any]) -> None:
+        """Set from AutoExecutor's names, as AutoExecutor does: its shared ones (`timeout_min`, `gpus_per_node`,
+        `mem_gb`, ...) converted to sbatch's, `slurm_<option>` as `<option>`."""
+        shared = {key: value for key, value in resources.items() if not key.startswith("slurm_")}
+        own = {key[len("slurm_"):]: value for key, value in resources.items() if key.startswith("slurm_")}
+        self.update_parameters(**self._convert_parameters(shared), **own)
 
 
 def _run(argv: list[str]) -> str | None:

@@ -94,7 +94,7 @@ BEFORE_ANY_WORK = [
     ("zero stage 5", ["finetune.deepspeed.zero_stage=5"], {}, "finetune.deepspeed.zero_stage=5: must be <= 3"),
     ("ranks the spawn mode cannot start", ["finetune.nproc=2"], {},
      "finetune.nproc=2: spawn=inprocess runs one rank (fix: set finetune.spawn=torchrun"),
-    ("Slurm tasks that differ from nproc", ["launcher=slurm", "launcher.per_stage.finetune.tasks_per_node=2"], {},
+    ("Slurm tasks that differ from nproc", ["launcher=slurm", "+launcher.per_stage.finetune.tasks_per_node=2"], {},
      "finetune would run as 1 node(s) x 2 Slurm tasks (ranks) but finetune.nodes=1 x finetune.nproc=1"),
     ("a fine-tune across nodes on one machine", ["finetune.nodes=2"], {},
      "finetune.nodes=2: this launcher runs a stage on this one machine (fix: run on Slurm"),

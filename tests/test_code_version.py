@@ -47,7 +47,7 @@ def test_the_library_imports_no_stage(module):
     assert not outside, f"{module} imports {sorted(outside)}"
 
 
-CORE = ("dag", "cache", "jobs", "launchers", "runner", "progress", "warm", "warm_client", "slurm_jobs")
+CORE = ("dag", "cache", "jobs", "launchers", "runner", "progress", "warm", "warm_client", "slurm_jobs", "node_gpus")
 
 
 @pytest.mark.parametrize("module", [f"pipelines.{name}" for name in CORE])

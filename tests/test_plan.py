@@ -1,10 +1,12 @@
 """`regraft pipeline.plan=true`: every problem listed, the DAG with its cache states, and estimates held against
 what the run then measured (tokens and feature bytes against the features manifest, parameters against the
-exported drafter); no stage output, no MLflow run; on Slurm, batch scripts that `sbatch --test-only` accepts."""
+exported drafter); no stage output, no MLflow run; on Slurm, batch scripts that `sbatch --test-only` accepts, and
+each node's GPUs and ranks, with Slurm's commands here or not."""
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,15 +124,87 @@ def test_a_plan_on_a_gpu_costs_the_same_flops_at_the_gpus_rate(ran):
             assert on_gpu["gpu_hours"] == pytest.approx(on_gpu["flops"] / (989e12 * 0.4) / 3600)
 
 
+def test_a_jobs_shape_names_its_gpus_on_every_launcher_that_gives_them():
+    from pipelines.plan import job_shape
+
+    assert job_shape("slurm", {"nodes": 2, "tasks_per_node": 8, "gpus_per_node": 8, "cpus_per_task": 12,
+                               "timeout_min": 1440}) == "2x8 8g 12c 24h"
+    assert job_shape("slurm", {"gpus_per_node": 0, "cpus_per_task": 2}) == "1x1 2c"
+    assert [job_shape("local", {"gpus_per_node": 8}), job_shape("local", {}), job_shape("inline", {})] == \
+        ["local 8g", "local", "inline"]
+
+
+KIMI_ON_SLURM = ["experiment=kimi_k25", "launcher=slurm", "pipeline.plan=true"]
+ENGINE_NODES, FINETUNES = ("features", "probe", "evaluate", "baseline_evaluate"), ("finetune", "baseline_finetune")
+
+
+def without_slurm(folder: Path) -> dict[str, str]:
+    """This environment with a PATH that holds no Slurm command (nor anything else)."""
+    folder.mkdir(exist_ok=True)
+    return {**os.environ, "PATH": str(folder)}
+
+
+def kimi_plan(outputs: Path, *overrides: str, env: dict | None = None) -> tuple[str, dict]:
+    """The Slurm plan of experiment=kimi_k25 (its paths are placeholders: those problems, and none of the launcher)."""
+    done = regraft(outputs, *KIMI_ON_SLURM, *overrides, env=env)
+    plan = the_plan(outputs)
+    assert not [problem for problem in plan["problems"] if "launcher" in problem or "Slurm" in problem], plan
+    assert done.returncode == 1 and "problem(s) above" in done.stdout  # /models/Kimi-K2.5 is not here
+    return done.stdout, plan
+
+
+def table_row(stdout: str, node: str) -> list[str]:
+    return next([cell.strip() for cell in line.split("│")[1:-1]] for line in stdout.splitlines()
+                if line.startswith(f"│ {node} "))
+
+
+@pytest.mark.parametrize("slurm_here", [True, False], ids=["slurm-commands", "no-slurm-commands"])
+def test_the_kimi_plan_on_slurm_gives_engine_stages_8_gpus_and_fine_tunes_8_ranks(tmp_path, slurm_here):
+    stdout, plan = kimi_plan(tmp_path, env=None if slurm_here else without_slurm(tmp_path / "bin"))
+    rows = {row["node"]: row for row in plan["nodes"]}
+    assert plan["node_gpus"] == {"count": 8, "known": True, "from": "launcher.node_gpus"}
+    assert "node GPUs: 8 (launcher.node_gpus)" in stdout
+    for name in ENGINE_NODES:
+        resources = rows[name]["resources"]
+        assert (resources["gpus_per_node"], resources["tasks_per_node"], rows[name]["holds"]["gpus"]) == (8, 1, 8)
+        assert "#SBATCH --gpus-per-node=8" in Path(plan["batch_scripts"][name]).read_text()
+    for name in FINETUNES:
+        resources = rows[name]["resources"]
+        assert (resources["nodes"], resources["tasks_per_node"], resources["gpus_per_node"]) == (1, 8, 8)
+        assert "#SBATCH --ntasks-per-node=8" in Path(plan["batch_scripts"][name]).read_text()
+    assert table_row(stdout, "features")[2] == "1x1 8g 16c 24h" and table_row(stdout, "finetune")[2] == \
+        "1x8 8g 12c 48h"
+    assert rows["vocab_map"]["resources"]["gpus_per_node"] == 0 and rows["regenerate"]["holds"]["gpus"] == 0
+    noted = any(note.startswith("Slurm's commands are not on this machine") for note in plan["notes"])
+    assert noted is not slurm_here
+
+
+def test_the_kimi_plan_on_cpu_nodes_asks_for_no_gpu(tmp_path):
+    stdout, plan = kimi_plan(tmp_path, "launcher.node_gpus=0", env=without_slurm(tmp_path / "bin"))
+    rows = {row["node"]: row for row in plan["nodes"]}
+    assert all(row["resources"]["gpus_per_node"] == 0 and row["holds"]["gpus"] == 0 for row in rows.values())
+    assert [rows[name]["resources"]["tasks_per_node"] for name in FINETUNES] == [8, 8]
+    assert table_row(stdout, "finetune")[2] == "1x8 12c 48h" and table_row(stdout, "probe")[2] == "1x1 16c 8h"
+
+
+def test_sinfo_that_does_not_answer_is_said_and_taken_as_cpu_nodes(tmp_path):
+    stdout, plan = kimi_plan(tmp_path, "launcher.node_gpus=null", env=without_slurm(tmp_path / "bin"))
+    assert plan["node_gpus"]["count"] == 0 and not plan["node_gpus"]["known"]
+    assert "node GPUs: 0 (not known: sinfo did not answer for the default partition here" in stdout
+    assert {row["resources"]["gpus_per_node"] for row in plan["nodes"]} == {0}
+
+
 @pytest.mark.slurm
 def test_a_slurm_plan_writes_batch_scripts_sbatch_accepts(tmp_path, slurm_cluster):
     done = regraft(tmp_path, *TINY, "pipeline.plan=true", "launcher=slurm",
                    f"launcher.resources.slurm_partition={slurm_cluster.partition}",
                    "launcher.resources.cpus_per_task=1", "launcher.per_stage.finetune.cpus_per_task=1",
-                   "launcher.per_stage.finetune.gpus_per_node=0", "launcher.resources.timeout_min=20",
-                   "launcher.per_stage.finetune.timeout_min=20")
+                   "launcher.per_stage.features.cpus_per_task=1", "launcher.per_stage.probe.cpus_per_task=1",
+                   "launcher.resources.timeout_min=20", "launcher.per_stage.finetune.timeout_min=20")
     assert done.returncode == 0, done.stdout[-3000:]
     plan = the_plan(tmp_path)
+    assert plan["node_gpus"] == {"count": 0, "known": True,  # the cluster's nodes have no gres
+                                 "from": f"sinfo: partition {slurm_cluster.partition}, gres (null)"}
     scripts = plan["batch_scripts"]
     assert set(scripts) == {row["node"] for row in plan["nodes"] if not row["cached"]}
     for node, path in scripts.items():

@@ -49,8 +49,9 @@ SWEEP_LRS = ("3e-3", "1e-2")
 def slurm_overrides(cluster) -> list[str]:
     return ["launcher=slurm", f"launcher.resources.slurm_partition={cluster.partition}",
             "launcher.resources.cpus_per_task=1", "launcher.resources.timeout_min=20",
-            "launcher.per_stage.finetune.cpus_per_task=1", "launcher.per_stage.finetune.gpus_per_node=0",
-            "launcher.per_stage.finetune.timeout_min=20", "launcher.poll_s=1"]
+            "launcher.per_stage.finetune.cpus_per_task=1", "launcher.per_stage.features.cpus_per_task=1",
+            "launcher.per_stage.probe.cpus_per_task=1", "launcher.per_stage.finetune.timeout_min=20",
+            "launcher.poll_s=1"]  # the nodes' GPUs: none, as sinfo says
 
 
 def job_env() -> dict[str, str]:
@@ -251,7 +252,7 @@ def test_a_race_submits_every_rung_with_the_fine_tunes_tasks(sweep, slurm_cluste
     regraft(outputs, slurm_cluster, "race", "pipeline.race=true", "race.inits=[remap,scratch]", "race.lrs=[3e-3]",
             "race.budget_steps=6", "race.rungs=2", "finetune.nproc=2",
             "finetune.deepspeed.gradient_accumulation_steps=1",
-            "+launcher.per_stage.probe.timeout_min=17", "+launcher.per_node.evaluate.timeout_min=19")
+            "launcher.per_stage.probe.timeout_min=17", "+launcher.per_node.evaluate.timeout_min=19")
     run = outputs / "runs" / "race"
     jobs = submitted(run)
     rungs = sorted(name for name in jobs if name.startswith("race_") and not name.endswith("_evaluate"))
@@ -425,7 +426,8 @@ def test_sigterm_to_regraft_cancels_its_slurm_jobs(sweep, slurm_cluster):
 def test_ranks_must_match_the_stages_nproc():
     """The rank count sets the global batch, so it comes from the stage config (its cache key), not the launcher."""
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        root = compose("config", overrides=["launcher=slurm", "finetune.nproc=4", "finetune.nodes=2"])
+        root = compose("config", overrides=["launcher=slurm", "finetune.nproc=4", "finetune.nodes=2",
+                                            "launcher.node_gpus=4"])
     resources = SlurmLauncher(root.launcher, Path("unused")).resources(Node("finetune", "finetune", root.finetune, "1"))
     assert resources["tasks_per_node"] == resources["gpus_per_node"] == 4 and resources["nodes"] == 2
     cfg = OmegaConf.create({"name": "slurm", "poll_s": 1.0, "resources": {"tasks_per_node": 1},
