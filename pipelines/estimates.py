@@ -47,11 +47,13 @@ class Estimate:
     checkpoint_bytes: int | None = None
     flops: float | None = None
     gpu_hours: float | None = None
+    rank_memory: dict[str, int] | None = None  # a fine-tune rank's peak GPU bytes, by part (stages/finetune/memory.py)
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "feature_bytes": self.feature_bytes, "checkpoint_bytes": self.checkpoint_bytes,
-                "flops": self.flops, "gpu_hours": self.gpu_hours, "notes": self.notes}
+                "flops": self.flops, "gpu_hours": self.gpu_hours, "rank_memory": self.rank_memory,
+                "notes": self.notes}
 
 
 def kept(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -223,6 +225,7 @@ class PlanContext:
     source: str | None  # the source drafter folder
     draft_vocab_size: int
     sample_rows: int
+    on_gpus: bool = False  # priced on a GPU with a memory size: each fine-tune's rank memory is estimated
 
 
 def training_rows(config: DictConfig, context: PlanContext, data: str | None = None) -> tuple[int, int, list[str]]:
@@ -270,9 +273,36 @@ def draft_vocab_size(vocab_map: str | None) -> int | None:
     return load_vocab_map(vocab_map).draft_vocab_size
 
 
+@kept
+def _rank_memory(config_text: str, micro_batch: int, seq: int, ttt_steps: int, zero_stage: int, gpus_per_node: int,
+                 nodes: int, bf16: bool) -> tuple[int, int, int]:
+    import torch
+
+    from stages.common.drafter.config import DrafterConfig
+    from stages.finetune.memory import fine_tune_memory
+
+    found = fine_tune_memory(DrafterConfig(**json.loads(config_text)), micro_batch, seq, ttt_steps, zero_stage,
+                             gpus_per_node, nodes, dtype=torch.bfloat16 if bf16 else torch.float32)
+    return found.model_states, found.step, found.target_side
+
+
+def rank_memory(config: DictConfig, drafter: Any) -> dict[str, int]:
+    """A fine-tune rank's peak GPU memory by part, bf16 unless deepspeed.bf16=false (stages/finetune/memory.py)."""
+    ds = config.deepspeed
+    parts = _rank_memory(json.dumps(dataclasses.asdict(drafter), sort_keys=True), int(config.micro_batch_size),
+                         int(config.max_length), int(config.ttt_steps), int(ds.zero_stage), int(config.nproc),
+                         int(config.nodes), ds.bf16 is not False)
+    return dict(zip(("model_states", "step", "target_side"), parts)) | {"total": sum(parts)}
+
+
 def finetune_estimate(config: DictConfig, context: PlanContext) -> Estimate:
-    rows, tokens, notes = training_rows(config, context, config.data)  # its own chats (the source build's), if any
     drafter, shape = drafter_of(config, context)
+    # before the data: a plan whose chats a stage writes still gets it
+    memory = rank_memory(config, drafter) if context.on_gpus else None
+    try:
+        rows, tokens, notes = training_rows(config, context, config.data)  # its own chats (the source build's)
+    except Unknown as exc:
+        return Estimate(rank_memory=memory, notes=[str(exc)])
     params = drafter_params(drafter)
     target = model_config(config.target)
     steps = optimizer_steps(config, rows)
@@ -290,6 +320,7 @@ def finetune_estimate(config: DictConfig, context: PlanContext) -> Estimate:
     kept = int(config.keep_checkpoints) or math.ceil(steps / int(config.checkpoint_every))
     kept = min(kept, math.ceil(steps / int(config.checkpoint_every)))
     return Estimate(tokens=tokens, checkpoint_bytes=params * 4 + kept * params * ADAM_BYTES_PER_PARAM, flops=flops,
+                    rank_memory=memory,
                     notes=notes + [f"{kept} DeepSpeed checkpoint(s) kept, {ADAM_BYTES_PER_PARAM} B per parameter"])
 
 

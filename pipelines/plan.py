@@ -27,7 +27,8 @@ from pipelines.estimates import Estimate, PlanContext, device_rate, estimate
 from pipelines.launchers import Launcher, SlurmLauncher, make_launcher
 from pipelines.preflight import problems_before_any_work
 from pipelines.runner import pending
-from stages.common.contract.hardware import Holds
+from stages.common.contract.errors import RegraftError
+from stages.common.contract.hardware import MEMORY_HEADROOM, Holds
 
 
 def plan_context(cfg: DictConfig, outputs: dict[str, Path]) -> tuple[PlanContext, str]:
@@ -35,9 +36,10 @@ def plan_context(cfg: DictConfig, outputs: dict[str, Path]) -> tuple[PlanContext
     if cfg.plan.device in cfg.plan.devices:  # else a problem the checks listed
         rate, rate_note = device_rate(cfg.plan, cfg.launcher.threads)
     paths = resolve(OmegaConf.create({"data": training_data(cfg), "source": cfg.source.path}), outputs)
+    gpu = cfg.plan.device in cfg.plan.devices and bool(cfg.plan.devices[cfg.plan.device].get("memory_gb"))
     return PlanContext(rate=rate, data=paths.data, source=paths.source,
                        draft_vocab_size=int(cfg.vocab_map.draft_vocab_size),
-                       sample_rows=int(cfg.plan.sample_rows)), rate_note
+                       sample_rows=int(cfg.plan.sample_rows), on_gpus=gpu), rate_note
 
 
 def resources_of(launcher: Launcher, node: Node) -> dict[str, Any]:
@@ -131,7 +133,8 @@ def device_time(value: float | None) -> str:
 def plan_table(rows: list[dict[str, Any]], total: dict[str, Any], device: str, launcher: str) -> Table:
     table = Table(title="plan: nothing has run", title_justify="left")
     for column in ("node", "cache", "job", "tokens", "features", "ckpts", f"on {device}"):
-        table.add_column(column, overflow="fold", justify="left" if column in ("node", "cache", "job") else "right")
+        table.add_column(column, overflow="fold", justify="left" if column in ("node", "cache", "job") else "right",
+                         no_wrap=column in ("node", "job"))  # what a reader looks a row up by stays whole
     for row in rows:
         table.add_row(row["node"], "hit" if row["cached"] else "run", job_shape(launcher, row["resources"]),
                       f"{row['tokens']:,}" if row["tokens"] is not None else "",
@@ -149,11 +152,50 @@ def plan_table(rows: list[dict[str, Any]], total: dict[str, Any], device: str, l
     return table
 
 
+def print_whole(console: Console, table: Table) -> None:
+    """A table at its natural width where the output is no terminal (a log, a pipe: rich would fold it into 80
+    columns); a terminal gets it at the terminal's width."""
+    from rich.measure import Measurement
+
+    natural = Measurement.get(console, console.options.update_width(10 ** 4), table).maximum
+    if console.is_terminal or natural <= console.width:
+        console.print(table)
+    else:  # a console prints no wider than its own width
+        Console(file=console.file, width=natural, no_color=console.no_color).print(table)
+
+
 def write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text(text)
     temporary.replace(path)
+
+
+def gpu_bytes_for_training(config: DictConfig, memory_gb: float) -> tuple[float, str]:
+    """What a fine-tune rank may use of one GPU: all of it, less an online server's share where the stage starts
+    that server on the same GPUs (engine.vllm.gpu_memory_utilization)."""
+    engine = config.get("engine")
+    if engine is not None and engine.enabled and not engine.server_url:
+        share = float(engine.vllm.gpu_memory_utilization)
+        return memory_gb * 1e9 * (1 - share), f", less the online server's {share:g}"
+    return memory_gb * 1e9, ""
+
+
+def memory_problems(node: Node, config: DictConfig, figures: Estimate, plan: DictConfig) -> list[str]:
+    """A fine-tune whose rank's peak (stages/finetune/memory.py) does not fit one GPU of plan.device."""
+    memory_gb = plan.devices[plan.device].get("memory_gb") if plan.device in plan.devices else None
+    if not memory_gb or not figures.rank_memory:
+        return []
+    usable, less = gpu_bytes_for_training(config, float(memory_gb))
+    needed = figures.rank_memory["total"]
+    if needed <= (1 - MEMORY_HEADROOM) * usable:
+        return []
+    parts = ", ".join(f"{name.replace('_', ' ')} {value / 1e9:.1f}" for name, value in figures.rank_memory.items()
+                      if name != "total")
+    return [str(RegraftError(node.name, f"a rank needs {needed / 1e9:.1f} GB at its peak ({parts} GB), over one "
+                             f"{plan.device}'s {memory_gb:g} GB{less}, {MEMORY_HEADROOM:.0%} kept free",
+                             f"lower {node.stage}.micro_batch_size or {node.stage}.max_length, or raise "
+                             f"{node.stage}.deepspeed.zero_stage"))]
 
 
 def plan_pipeline(cfg: DictConfig, run_dir: Path, console: Console) -> dict[str, Any]:
@@ -172,8 +214,11 @@ def plan_pipeline(cfg: DictConfig, run_dir: Path, console: Console) -> dict[str,
     for node in nodes:
         config = resolve(node.config, outputs)
         config.out = str(outputs[node.name])
+        figures = estimate(node.stage, config, context)
         rows.append(node_row(node, node.name not in will_run, launcher.holds(node), resources_of(launcher, node),
-                             estimate(node.stage, config, context)))
+                             figures))
+        if node.name in will_run:
+            problems += memory_problems(node, config, figures, cfg.plan)
         if isinstance(launcher, SlurmLauncher) and node.name in will_run:
             scripts[node.name] = batch_script(launcher, node, OmegaConf.to_container(config, resolve=True))
     gpus = launcher.node_gpus()
@@ -189,7 +234,7 @@ def plan_pipeline(cfg: DictConfig, run_dir: Path, console: Console) -> dict[str,
         write_atomically(path, text)
         plan["batch_scripts"][name] = str(path)
     write_atomically(run_dir / "plan.json", json.dumps(plan, indent=2))
-    console.print(plan_table(rows, plan["totals"], cfg.plan.device, cfg.launcher.name))
+    print_whole(console, plan_table(rows, plan["totals"], cfg.plan.device, cfg.launcher.name))
     console.print(node_gpus_line(launcher), highlight=False, soft_wrap=True)
     console.print(f"device time: FLOPs over {rate_note}; plan.json has GPU-hours per node", highlight=False,
                   soft_wrap=True)

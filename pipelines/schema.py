@@ -138,11 +138,16 @@ class PipelineSwitches:
 
 
 def default_devices() -> dict[str, dict[str, Any]]:
-    """{device: {tflops, utilisation}}: peak dense TFLOP/s of the training dtype (None: measured here, float32) and
-    the share of it the stages reach. NVIDIA's datasheets: H100 and H200 SXM 989 dense bf16, A100 312; their 40%
+    """{device: {tflops, utilisation, memory_gb}}: peak dense TFLOP/s of the training dtype (None: measured here,
+    float32), the share of it the stages reach, and one GPU's memory (the plan checks a fine-tune rank's peak
+    against it). NVIDIA's datasheets: H100 SXM 989 dense bf16 and 80 GB, H200 SXM 989 and 141 GB, A100 SXM 312 and
+    80 GB, HGX B200 2,250 and 180 GB (1,440 GB over 8 GPUs; the chip carries 192, nvidia-smi shows 179). The 40%
     utilisation is an assumption, set it to what your runs reach."""
-    return {"cpu": {"tflops": None, "utilisation": 1.0}, "h200": {"tflops": 989.0, "utilisation": 0.4},
-            "h100": {"tflops": 989.0, "utilisation": 0.4}, "a100": {"tflops": 312.0, "utilisation": 0.4}}
+    return {"cpu": {"tflops": None, "utilisation": 1.0, "memory_gb": None},
+            "b200": {"tflops": 2250.0, "utilisation": 0.4, "memory_gb": 180.0},
+            "h200": {"tflops": 989.0, "utilisation": 0.4, "memory_gb": 141.0},
+            "h100": {"tflops": 989.0, "utilisation": 0.4, "memory_gb": 80.0},
+            "a100": {"tflops": 312.0, "utilisation": 0.4, "memory_gb": 80.0}}
 
 
 @dataclass
@@ -150,8 +155,8 @@ class PlanConfig:
     """pipeline.plan: what the estimates of pipelines/estimates.py assume."""
 
     device: str = "cpu"  # a key of devices: the GPU-hours are FLOPs over its rate
-    devices: dict[str, Any] = field(default_factory=default_devices)  # add one: '+plan.devices.b200={tflops: 2250,
-    # utilisation: 0.4}'
+    devices: dict[str, Any] = field(default_factory=default_devices)  # add one: '+plan.devices.gb200={tflops: 2500,
+    # utilisation: 0.4, memory_gb: 186}'
     sample_rows: int = setting(2000, at_least=1)  # rows of a chat file tokenized to count its tokens; the rest scaled
 
 
@@ -161,12 +166,14 @@ def check_plan(cfg, where: str) -> None:
                            f"set {where}.device= to one of them, or add it: '+{where}.devices.{cfg.device}="
                            "{tflops: 2250, utilisation: 0.4}'")
     device = cfg.devices[cfg.device]
-    tflops, utilisation = device.get("tflops"), device.get("utilisation", 1.0)
+    tflops, utilisation, memory = device.get("tflops"), device.get("utilisation", 1.0), device.get("memory_gb")
     if (tflops is not None and not (isinstance(tflops, (int, float)) and tflops > 0)) or \
-            not (isinstance(utilisation, (int, float)) and 0 < utilisation <= 1):
+            not (isinstance(utilisation, (int, float)) and 0 < utilisation <= 1) or \
+            (memory is not None and not (isinstance(memory, (int, float)) and memory > 0)):
         raise RegraftError(f"{where}.devices.{cfg.device}={dict(device)}",
-                           "needs tflops > 0 (or null: measured here) and 0 < utilisation <= 1",
-                           f"set {where}.devices.{cfg.device}.tflops= and .utilisation=")
+                           "needs tflops > 0 (or null: measured here), 0 < utilisation <= 1 and memory_gb > 0 (or "
+                           "null: not checked)", f"set {where}.devices.{cfg.device}.tflops=, .utilisation= and "
+                           ".memory_gb=")
 
 
 CHECKS[PlanConfig] = check_plan

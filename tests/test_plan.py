@@ -107,7 +107,7 @@ def test_a_plan_lists_every_problem_and_exits_1(tmp_path):
 def test_a_device_the_plan_does_not_know_is_a_problem_not_a_crash(tmp_path):
     done = regraft(tmp_path, *TINY, "pipeline.plan=true", "plan.device=tpu")
     assert done.returncode == 1 and "Traceback" not in done.stdout and "crashed" not in done.stdout
-    assert the_plan(tmp_path)["problems"] == ["plan.device=tpu: is not one of plan.devices (cpu, h200, h100, a100) "
+    assert the_plan(tmp_path)["problems"] == ["plan.device=tpu: is not one of plan.devices (cpu, b200, h200, h100, a100) "
                                               "(fix: set plan.device= to one of them, or add it: "
                                               "'+plan.devices.tpu={tflops: 2250, utilisation: 0.4}')"]
 
@@ -122,6 +122,36 @@ def test_a_plan_on_a_gpu_costs_the_same_flops_at_the_gpus_rate(ran):
         assert on_gpu["flops"] == on_cpu["flops"]
         if on_gpu["flops"]:
             assert on_gpu["gpu_hours"] == pytest.approx(on_gpu["flops"] / (989e12 * 0.4) / 3600)
+
+
+def test_a_plan_on_a_gpu_checks_each_fine_tunes_rank_memory_against_it(ran):
+    """Priced on a GPU, a fine-tune that would run has its rank's peak estimated (stages/finetune/memory.py) and
+    held against one GPU's memory: the tiny drafter fits a B200; on a GPU of 1 MB the plan lists it as a problem."""
+    again = ["finetune.micro_batch_size=2"]  # the fine-tunes would run again; what they read is there
+    fits = regraft(ran, *TINY, *again, "pipeline.plan=true", "plan.device=b200")
+    assert fits.returncode == 0, fits.stdout[-2000:]
+    tunes = {row["node"]: row["rank_memory"] for row in the_plan(ran)["nodes"] if row["node"] in
+             ("finetune", "baseline_finetune")}
+    assert len(tunes) == 2 and all(memory["total"] == memory["model_states"] + memory["step"] +
+                                   memory["target_side"] > 0 for memory in tunes.values())
+    small = regraft(ran, *TINY, *again, "pipeline.plan=true", "plan.device=small",
+                    "+plan.devices.small={tflops: 1, utilisation: 0.5, memory_gb: 0.001}")
+    problems = [problem for problem in the_plan(ran)["problems"] if "a rank needs" in problem]
+    assert small.returncode == 1 and sorted(problem.split(":")[0] for problem in problems) == \
+        ["baseline_finetune", "finetune"], problems
+    assert "over one small's 0.001 GB, 10% kept free (fix: lower finetune.micro_batch_size" in problems[0]
+
+
+def test_an_online_server_on_the_same_gpus_takes_its_share_first():
+    from omegaconf import OmegaConf
+
+    from pipelines.plan import gpu_bytes_for_training
+
+    started_here = OmegaConf.create({"engine": {"enabled": True, "server_url": None,
+                                                "vllm": {"gpu_memory_utilization": 0.75}}})
+    assert gpu_bytes_for_training(started_here, 180) == (pytest.approx(45e9), ", less the online server's 0.75")
+    elsewhere = OmegaConf.merge(started_here, {"engine": {"server_url": "http://node:8000"}})
+    assert gpu_bytes_for_training(elsewhere, 180) == (180e9, "")
 
 
 def test_a_jobs_shape_names_its_gpus_on_every_launcher_that_gives_them():

@@ -30,13 +30,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from stages.common.contract.hardware import MEMORY_HEADROOM
 from stages.common.drafter.config import DrafterConfig
 from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.common.drafter.target import TargetHead
 from stages.common.drafter.ttt import draft_vocab_ids, ttt_forward
 from stages.common.drafter.vocab import VocabMap
 
-HEADROOM = 0.1  # share of a GPU's memory a plan keeps free for what the estimate leaves out (CUDA, NCCL, fragments)
+HEADROOM = MEMORY_HEADROOM
 META = torch.device("meta")
 
 

@@ -17,6 +17,11 @@ from enum import Enum
 from pathlib import Path
 
 
+# share of a GPU's memory a plan keeps free for what a memory estimate leaves out: the CUDA context, NCCL's buffers,
+# the caching allocator's fragments (stages/finetune/memory.py)
+MEMORY_HEADROOM = 0.1
+
+
 class Device(str, Enum):
     """Where a stage computes."""
 
