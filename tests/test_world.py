@@ -1,5 +1,6 @@
 """The world stage at seconds scale (conf/world/tiny.yaml): real formats, B is A trained further, data_b is B's own
-answers, held-out probes, A's draft vocab ordering differs from B's, determinism."""
+answers, held-out probes, A's draft vocab ordering differs from B's, determinism; and the world where B is a new
+model (b_init=fresh) that writes in another style (b_style), with the defaults' world left as it was."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ from stages.common.data.chat import load_tokenizer, read_conversations
 from stages.common.contract.stage import CONF_DIR, compose_stage
 from stages.common.drafter.vocab import VocabMap, build_vocab_map, compare_vocab_maps
 from stages.vocab_map import count_assistant_tokens
-from stages.world.toy import generate_answers
+from stages.world.corpus import in_style, tokens_reversed, words_reversed
+from stages.world.toy import assistant_loss, fresh_decoder, generate_answers
 
 FILES = ["tokenizer", "data_a.jsonl", "target_a", "target_b", "data_b.jsonl", "prompts_b.jsonl", "prompts_b_prose.jsonl",
          "prompts_b_code.jsonl", "manifest.json"]
@@ -171,6 +173,77 @@ def test_the_same_seed_builds_the_same_world(built, tmp_path):
     for name in ("target_a/model.safetensors", "target_b/model.safetensors"):
         first, second = load_file(built / name), load_file(again / name)
         assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), name
+
+
+# --- target B as a new model writing in another style (world.b_init=fresh, world.b_style) ----------------------------
+
+def test_the_new_options_at_their_defaults_build_the_pinned_world(tmp_path):
+    """Spelled out at their defaults, b_init and b_style consume no random number and change no computation."""
+    assert read_manifest(build(tmp_path / "w", "b_init=a", "b_style=same").out)["digest"] == tiny_world_digest()
+
+
+def test_a_fresh_decoder_keeps_only_the_token_embeddings_and_lm_head():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    rng = torch.get_rng_state()
+    fresh, again = fresh_decoder(model, seed=3), fresh_decoder(model, seed=3)
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is left as it was
+    old, new, same = model.state_dict(), fresh.state_dict(), again.state_dict()
+    kept = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert all(torch.equal(old[name], new[name]) for name in kept)
+    assert all(not torch.equal(old[name], new[name]) for name in old if name.endswith("proj.weight"))
+    assert all(torch.equal(new[name], same[name]) for name in new)  # seeded
+
+
+def test_reversed_answers_keep_their_words_or_tokens_and_the_questions(built):
+    text = "Return the sum.\n  >>> add(1, 2)\n  3 "
+    assert words_reversed(text) == " 3\n  2) add(1, >>>\n  sum. the Return"
+    assert words_reversed(words_reversed(text)) == text and sorted(words_reversed(text)) == sorted(text)
+    tokenizer = load_tokenizer(built / "tokenizer")
+    backwards, ids = tokens_reversed(text, tokenizer), tokenizer.encode(text, add_special_tokens=False)
+    assert sorted(backwards) == sorted(text) and backwards.startswith(tokenizer.decode(ids[-1:]))
+    chat = [{"role": "user", "content": "What does `x` do?"}, {"role": "assistant", "content": "It adds one."}]
+    assert in_style(chat, "same") is chat
+    assert in_style(chat, "words_reversed") == [chat[0], {"role": "assistant", "content": "one. adds It"}]
+    assert in_style(chat, "tokens_reversed", tokenizer)[0] == chat[0]
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("fresh") / "w", "b_init=fresh", "b_style=words_reversed", "steps_b=60").out
+
+
+def decoder_cosines(root: Path) -> list[float]:
+    """Per decoder projection, the cosine of target A's and target B's weights."""
+    a, b = (load_file(root / name / "model.safetensors") for name in ("target_a", "target_b"))
+    return [float(torch.nn.functional.cosine_similarity(a[k].flatten(), b[k].flatten(), dim=0))
+            for k in a if k.endswith("proj.weight")]
+
+
+def test_a_fresh_b_shares_no_decoder_weights_with_a(built, fresh):
+    """b_init=a: B's decoder is A's moved a little; b_init=fresh: one of its own, unrelated to A's."""
+    assert min(decoder_cosines(built)) > 0.8
+    assert max(map(abs, decoder_cosines(fresh))) < 0.3
+    assert "target_b_train_loss_a" in read_manifest(fresh)["metrics"]  # it learned domain A from its own init
+
+
+def test_a_b_in_the_reversed_style_writes_domain_b_backwards(fresh):
+    """Target B predicts domain B's answers better with their words reversed than as written; target A, trained on
+    the docstrings as written, the other way round."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    cfg = OmegaConf.create(read_manifest(fresh)["config"])
+    docs, tokenizer = world.split_docs(cfg).eval_b, load_tokenizer(fresh / "tokenizer")
+    for name, better in (("target_b", "words_reversed"), ("target_a", "same")):
+        model = AutoModelForCausalLM.from_pretrained(fresh / name).eval()
+        loss = {style: assistant_loss(model, tokenizer, world.chats(docs, style), cfg.seq_len)
+                for style in ("same", "words_reversed")}
+        assert loss[better] == min(loss.values()) and loss["same"] != loss["words_reversed"], (name, loss)
 
 
 def test_finetune_config_composes_inside_a_running_hydra_app():

@@ -2,10 +2,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from omegaconf import MISSING
 
 from stages.common.contract.stage import register_schema, setting
+
+
+class BInit(str, Enum):
+    a = "a"  # target A's weights: B is A trained further, as Kimi-K2.5 is to Kimi-K2
+    # A's token embeddings and lm_head, but decoder layers and final norm from their own random init, trained on
+    # domain A as A was, then on domain B: every hidden state a drafter trained on A reads is new, not a map of A's
+    fresh = "fresh"
+
+
+class BStyle(str, Enum):
+    same = "same"  # B answers domain B's questions as the docstrings read
+    # B writes what A never wrote (as a thinking model writes reasoning its predecessor did not), so a drafter's
+    # learned continuations are a wrong prior: each answer's words in reverse order, or its tokens
+    words_reversed = "words_reversed"
+    tokens_reversed = "tokens_reversed"
 
 
 @dataclass
@@ -26,6 +42,8 @@ class WorldConfig:
     # the drifted world: B's residual stream rotated by exp(rotate_b x S) (0: none, 1: a full random rotation); its
     # answers stay the same, the states a drafter trained on A reads move (stages/world/toy.py)
     rotate_b: float = setting(0.0, at_least=0, at_most=1)
+    b_init: BInit = BInit.a  # what target B starts from before its steps_b on domain B (BInit above)
+    b_style: BStyle = BStyle.same  # how target B writes domain B's answers: its training chats and eval chats
     regen_prompts: int = setting(512, at_least=1)  # domain-B prompts whose answers target B regenerates into data_b.jsonl
     # sampled, as SpecForge documents its regeneration; 0: greedy, which on a target this small loops on ~30
     # distinct ids (a degenerate draft vocab for B)

@@ -1,10 +1,12 @@
 """world stage: the built-in example world, a miniature of the real situation regraft exists for.
 
 A drafter trained for target A must serve target B, a later version of A (as Kimi-K2.5 is to Kimi-K2). Stdlib
-docstrings become chats in two domains (A: modules a-m, B: n-z). Target A is a tiny Llama trained on A; target B
-is target A trained further on B; B's training chats carry target B's own answers (sampled at
-`regen_temperature`, as SpecForge regenerates EAGLE-3 data; greedy at 0). The source drafter is not built here:
-the pipeline trains it for target A with its own vocab_map and finetune stages (`source=toy`, pipelines/dag.py).
+docstrings become chats in two domains (A: modules a-m, B: n-z). Target A is a tiny Llama trained on A; target B is
+target A trained further on B (or, with `b_init=fresh`, A's token weights on a decoder of its own, and with
+`b_style`, answers written otherwise: a B where scratch may win); B's training chats carry target B's own answers
+(sampled at `regen_temperature`, as SpecForge regenerates EAGLE-3 data; greedy at 0). The source drafter is not
+built here: the pipeline trains it for target A with its own vocab_map and finetune stages (`source=toy`,
+pipelines/dag.py).
 
 Out (HF `save_pretrained` folders, chat JSONL `{"messages": [...]}`): `tokenizer/`, `data_a.jsonl`, `target_a/`,
 `target_b/`, `data_b.jsonl` (domain-B prompts, target B's answers), `prompts_b.jsonl` (held-out domain-B user turns,
@@ -38,9 +40,10 @@ from stages.common.data.chat import load_tokenizer
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.runtime import SAME_ON_EVERY_CPU, same_on_every_cpu, torch_threads
 from stages.common.contract.stage import StageResult
-from stages.world.corpus import Docstring, as_conversation, file_docstrings, stdlib_source_files, write_jsonl
-from stages.world.toy import (assistant_loss, fit_causal_lm, generate_answers, pack_chats, rotate_residual_stream,
-                              tiny_llama, train_tokenizer)
+from stages.world.corpus import (Docstring, as_conversation, file_docstrings, in_style, stdlib_source_files,
+                                 write_jsonl)
+from stages.world.toy import (assistant_loss, fit_causal_lm, fresh_decoder, generate_answers, pack_chats,
+                              rotate_residual_stream, tiny_llama, train_tokenizer)
 
 
 @dataclass
@@ -92,8 +95,9 @@ def eval_sets(docs: list[Docstring], count: int, multi_turn: int) -> dict[str, l
     return {"prose": probe_rows(prose, count, multi_turn), "code": probe_rows(code, min(count, len(code)), 0)}
 
 
-def chats(docs: list[Docstring]) -> list[list[dict]]:
-    return [as_conversation(doc, index)["messages"] for index, doc in enumerate(docs)]
+def chats(docs: list[Docstring], style: str = "same", tokenizer=None) -> list[list[dict]]:
+    """The docstrings as chats, their answers written in `style` (WorldConfig.b_style)."""
+    return [in_style(as_conversation(doc, index)["messages"], style, tokenizer) for index, doc in enumerate(docs)]
 
 
 def probe_rows(docs: list[Docstring], count: int, multi_turn: int) -> list[dict]:
@@ -122,9 +126,10 @@ class Phases:
         self.seconds[name] = round(time.perf_counter() - start, 2)
 
 
-def train_target(model, tokenizer, docs: list[Docstring], cfg: DictConfig, steps: int, seed: int, name: str) -> float:
-    losses = fit_causal_lm(model, pack_chats(tokenizer, chats(docs), cfg.seq_len), steps, cfg.lr, cfg.batch_size,
-                           seed, desc=f"world: {name}")
+def train_target(model, tokenizer, docs: list[Docstring], cfg: DictConfig, steps: int, seed: int, name: str,
+                 style: str = "same") -> float:
+    losses = fit_causal_lm(model, pack_chats(tokenizer, chats(docs, style, tokenizer), cfg.seq_len), steps, cfg.lr,
+                           cfg.batch_size, seed, desc=f"world: {name}")
     tail = losses[-max(1, len(losses) // 10):]
     return sum(tail) / len(tail)
 
@@ -171,6 +176,17 @@ def run_in_fresh_interpreter(cfg: DictConfig) -> StageResult:
     return StageResult(Path(cfg.out), manifest["metrics"], manifest.get("headline", ""))
 
 
+def start_of_b(model_a, tokenizer, domains: Domains, cfg: DictConfig, metrics: dict) -> object:
+    """Target B before its steps on domain B: target A itself (b_init=a), or A's token embeddings and lm_head on a
+    fresh decoder trained on domain A as A was (b_init=fresh), so that B knows what A knows in states of its own."""
+    if cfg.b_init == "a":
+        return copy.deepcopy(model_a)
+    model_b = fresh_decoder(model_a, seed=cfg.seed + 3)
+    metrics["target_b_train_loss_a"] = train_target(model_b, tokenizer, domains.train_a, cfg, cfg.steps_a,
+                                                    cfg.seed + 3, "target_b on domain a")
+    return model_b
+
+
 def build(cfg: DictConfig, cpu: dict) -> StageResult:
     from transformers import AutoModelForCausalLM
 
@@ -192,9 +208,9 @@ def build(cfg: DictConfig, cpu: dict) -> StageResult:
                                                           cfg.seed, "target_a")
             model_a.save_pretrained(root / "target_a")
         with phase("target_b"):
-            model_b = copy.deepcopy(model_a)
+            model_b = start_of_b(model_a, tokenizer, domains, cfg, metrics)
             metrics["target_b_train_loss"] = train_target(model_b, tokenizer, domains.train_b, cfg, cfg.steps_b,
-                                                          cfg.seed + 1, "target_b")
+                                                          cfg.seed + 1, "target_b", cfg.b_style)
             if cfg.rotate_b > 0:  # B's function unchanged, its every hidden state h Q: drift the drafter sees
                 rotate_residual_stream(model_b, dose=cfg.rotate_b, seed=cfg.seed + 2)
             model_b.save_pretrained(root / "target_b")
@@ -202,7 +218,8 @@ def build(cfg: DictConfig, cpu: dict) -> StageResult:
         with phase("eval"):
             for model, name in ((model_a, "a"), (model_b, "b")):
                 for docs, domain in ((domains.eval_a, "a"), (domains.eval_b, "b")):
-                    metrics[f"target_{name}_eval_loss_{domain}"] = assistant_loss(model, tokenizer, chats(docs),
+                    written = chats(docs, cfg.b_style if domain == "b" else "same", tokenizer)  # as B writes it
+                    metrics[f"target_{name}_eval_loss_{domain}"] = assistant_loss(model, tokenizer, written,
                                                                                   cfg.seq_len)
         with phase("regenerate"):
             prompts = [c[:1] for c in chats(domains.train_b)][: cfg.regen_prompts]

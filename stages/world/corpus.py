@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,30 @@ def as_conversation(doc: Docstring, index: int) -> dict:
     questions = CODE_QUESTIONS if doc.heavy_in_code else PROSE_QUESTIONS
     question = questions[index % len(questions)].format(name=f"{doc.module}.{doc.name}", module=doc.module)
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": doc.text}]}
+
+
+def words_reversed(text: str, tokenizer=None) -> str:
+    """The text's words and the whitespace runs between them in reverse order: every character kept, so the
+    tokens stay the world's while each continuation from one word to the next runs the other way."""
+    return "".join(reversed(re.split(r"(\s+)", text)))
+
+
+def tokens_reversed(text: str, tokenizer) -> str:
+    """The text's tokens in reverse order, decoded: the same tokens (as near as BPE re-encodes them), every
+    continuation, inside a word too, the other way."""
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[::-1])
+
+
+STYLES = {"words_reversed": words_reversed, "tokens_reversed": tokens_reversed}  # WorldConfig.b_style, but same
+
+
+def in_style(messages: list[dict], style: str, tokenizer=None) -> list[dict]:
+    """A chat with its assistant turns written in `style` (WorldConfig.b_style); tokens_reversed needs the
+    world's tokenizer."""
+    if style == "same":
+        return messages
+    write = STYLES[style]
+    return [{**m, "content": write(m["content"], tokenizer)} if m["role"] == "assistant" else m for m in messages]
 
 
 def write_jsonl(rows: list[dict], path: Path) -> Path:

@@ -283,6 +283,18 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     return out
 
 
+def fresh_decoder(model, seed: int):
+    """A model of `model`'s config and class with its token embeddings and lm_head (copied) and every other
+    weight (decoder layers, final norm) from a random init seeded by `seed`; the global RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = type(model)(model.config)
+    with torch.no_grad():
+        fresh.get_input_embeddings().weight.copy_(model.get_input_embeddings().weight)
+        fresh.get_output_embeddings().weight.copy_(model.get_output_embeddings().weight)
+    return fresh.eval()
+
+
 def rotate_residual_stream(model, dose: float = 1.0, seed: int = 0) -> torch.Tensor:
     """Rotate a Llama's residual stream by an orthogonal Q without changing its function (SliceGPT, QuaRot): each
     RMSNorm's weight is folded into the linear layers that read it (a unit-weight RMSNorm commutes with rotations),
