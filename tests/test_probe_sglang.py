@@ -14,8 +14,9 @@ import pytest
 from stages.common.drafter.config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, DrafterConfig, render_config
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.runtime import free_port
-from stages.common.engines.sglang_backend import (SglangConfig, SglangServer, accept_length, aux_convention_warning,
-                                          drafter_convention, engine_reading, generate, run_sglang, server_command)
+from stages.common.drafter.acceptance import accept_length
+from stages.common.engines.sglang_backend import (SglangConfig, SglangServer, aux_convention_warning, drafter_convention,
+                                                  engine_reading, generate, run_sglang, server_command)
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"

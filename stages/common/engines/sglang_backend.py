@@ -3,8 +3,9 @@
 In: a target model folder, a drafter folder, conversations (lists of user turns) and a `render` function that turns
 chat messages into the target's prompt text (chat template, generation prompt added).
 Out: one row per turn (`conversation`, `turn`, `prompt_tokens`, `completion_tokens`, `verify_steps`, `seconds`,
-`text`); `accept_length(rows)` = sum of completion tokens / sum of verify steps, as SpecForge's benchmarks compute
-it from SGLang's `meta_info` (`completion_tokens`, `spec_verify_ct`), greedy, cache flushed first.
+`text`); accept_len is their sum of completion tokens over their sum of verify steps (`accept_length`,
+stages/common/drafter/acceptance.py), as SpecForge's benchmarks compute it from SGLang's `meta_info`
+(`completion_tokens`, `spec_verify_ct`), greedy, cache flushed first.
 
 The server is started as `python -m sglang.launch_server ... --speculative-algorithm EAGLE3 ...` in its own process
 group, its output kept in a log file, and the whole group stopped afterwards; or `server_url` names one already
@@ -171,15 +172,6 @@ def _conversation(url: str, index: int, turns: list[str], render: Callable[[list
         yield {"conversation": index, "turn": turn, "prompt_tokens": out.get("prompt_tokens", -1),
                "completion_tokens": out["completion_tokens"], "verify_steps": out["spec_verify_ct"],
                "seconds": seconds, "text": out["text"]}
-
-
-def accept_length(rows: list[dict]) -> float:
-    """Sum of completion tokens over sum of verify steps (SpecForge's benchmarks; MT-Bench sums both turns)."""
-    steps = sum(row["verify_steps"] for row in rows)
-    if steps <= 0:
-        raise RegraftError(None, f"no verify steps in {len(rows)} rows: nothing was generated",
-                           "give the probe prompts and max_new_tokens > 0")
-    return sum(row["completion_tokens"] for row in rows) / steps
 
 
 # --- aux hidden-state layer convention --------------------------------------------------------------------------
