@@ -5,13 +5,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig
 
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import register_schema, setting
 from stages.common.data.feature_layout import LastHidden, Layout
-from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_engine_here
+from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_extraction_here, engine_holds
 
 
 class Mode(str, Enum):
@@ -75,16 +75,14 @@ def check_before_work(cfg: dict, stage: str) -> None:
     """What the pipeline asks of every stage before any work, where it will run (pipelines/launchers.py): an engine
     this machine can run as asked."""
     if Backend(cfg["backend"]) is Backend.vllm:
-        check_engine_here(OmegaConf.create(cfg["vllm"]), f"{stage}.", cfg.get("target"),
-                          stock_connector=cfg["vllm_connector"] == "stock")
+        check_extraction_here(cfg, stage)
 
 
 def holds(cfg: DictConfig | dict, node_gpus: int) -> Holds:
     """The vLLM backend's engine, on as many GPUs as it is tensor-parallel on a GPU node; the hf backend a CPU."""
     if Backend(cfg["backend"]) is not Backend.vllm:
         return Holds()
-    tensor_parallel = int(cfg["vllm"]["tensor_parallel_size"])
-    return Holds(gpus=tensor_parallel if node_gpus > 0 else 0, server=f"vLLM, tensor-parallel {tensor_parallel}")
+    return engine_holds(int(cfg["vllm"]["tensor_parallel_size"]), node_gpus, "vLLM")
 
 
 register_schema("features", FeaturesConfig, check=check_features)

@@ -13,7 +13,7 @@ from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import register_schema, setting
 from stages.common.data.chat_prompts import EvalSet, check_eval_sets
 from stages.common.engines.sglang_backend import SglangConfig
-from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_engine_here
+from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_engine_here, engine_holds
 
 
 class Backend(str, Enum):
@@ -84,7 +84,7 @@ def holds(cfg: DictConfig | dict, node_gpus: int) -> Holds:
         tensor_parallel, server = int(cfg["vllm"]["tensor_parallel_size"]), "vLLM"
     else:
         return Holds()
-    return Holds(gpus=tensor_parallel if node_gpus > 0 else 0, server=f"{server}, tensor-parallel {tensor_parallel}")
+    return engine_holds(tensor_parallel, node_gpus, server)
 
 
 def interpreter_found(python: str) -> bool:

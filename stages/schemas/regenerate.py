@@ -11,7 +11,7 @@ from stages.common.contract.errors import RegraftError
 from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import register_schema, setting
 from stages.common.engines.credentials import DEFAULT_KEY_ENV, refuse_secrets
-from stages.common.engines.vllm_engine import VllmConfig, check_engine
+from stages.common.engines.vllm_engine import VllmConfig, check_engine, engine_holds
 
 
 class Engine(str, Enum):
@@ -78,8 +78,7 @@ def holds(cfg: DictConfig | dict, node_gpus: int) -> Holds:
     runs elsewhere (nothing here)."""
     if Engine(cfg["engine"]) is not Engine.vllm:
         return Holds()
-    tensor_parallel = int(cfg["vllm"]["tensor_parallel_size"])
-    return Holds(gpus=tensor_parallel if node_gpus > 0 else 0, server=f"vLLM, tensor-parallel {tensor_parallel}")
+    return engine_holds(int(cfg["vllm"]["tensor_parallel_size"]), node_gpus, "vLLM")
 
 
 register_schema("regenerate", RegenerateConfig, check=check_regenerate)

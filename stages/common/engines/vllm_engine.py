@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from filelock import FileLock
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from stages.common.engines import vllm_worker  # noqa: F401  (runs in the engine venv; imported here for the cache key)
 from stages.common.engines.engine_process import log_tail, stop_group
 from stages.common.contract.errors import RegraftError
-from stages.common.contract.hardware import gpu_visible
+from stages.common.contract.hardware import Holds, gpu_visible
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
@@ -110,6 +110,12 @@ def multimodal_kimi(target: str | None) -> bool:
         return False  # not there yet (a stage builds it), or broken: the target's own readers say so
 
 
+def engine_holds(tensor_parallel: int, node_gpus: int, engine: str) -> Holds:
+    """What a stage that runs an engine on its node holds: the GPUs the engine is tensor-parallel on, where the node
+    has GPUs (on a CPU node the engine computes on the CPU: none), and the server it is."""
+    return Holds(gpus=tensor_parallel if node_gpus > 0 else 0, server=f"{engine}, tensor-parallel {tensor_parallel}")
+
+
 def check_engine_here(cfg: VllmConfig | DictConfig, where: str, target: str | None,
                       stock_connector: bool = False) -> None:
     """Before any work, on the machine the stage runs on: what vLLM's CPU build cannot run as asked. Its stock
@@ -125,6 +131,13 @@ def check_engine_here(cfg: VllmConfig | DictConfig, where: str, target: str | No
         raise RegraftError(f"{where}vllm.in_process=true", f"vLLM's CPU build cannot serve {target} (Kimi-K2.5) in "
                            "process: its triton override trips on the numba the Kimi image processor imports",
                            f"set {where}vllm.in_process=false")
+
+
+def check_extraction_here(cfg: dict, stage: str) -> None:
+    """`check_engine_here` for a stage that extracts the target's states on vLLM (features, diagnose): its `vllm`
+    settings, its `target` and its hidden-states connector (`vllm_connector`)."""
+    check_engine_here(OmegaConf.create(cfg["vllm"]), f"{stage}.", cfg.get("target"),
+                      stock_connector=cfg["vllm_connector"] == "stock")
 
 
 class VllmEngine:
