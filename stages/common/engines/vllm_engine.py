@@ -76,12 +76,50 @@ class EngineFeaturesConfig:
     request_timeout_s: float = 600.0
     connector: str = "cpu"  # cpu: regraft's connector (a CPU build) | stock: vLLM's own (GPU)
     dtype: str = "float32"  # the target's dtype in the server
+    # the server runs the code in the target's folder (Kimi's); the pipeline sets it with target.trust_remote_code
+    trust_remote_code: bool = False
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
 def engine_python(cfg: VllmConfig) -> Path:
     path = Path(cfg.python)
     return path if path.is_absolute() else ROOT / path
+
+
+def engine_env(cfg: VllmConfig) -> dict[str, str]:
+    """A vLLM process's environment: regraft importable (its CPU connector), no usage reports, `cfg.env`, and on a
+    CPU build the KV cache's GiB."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "TOKENIZERS_PARALLELISM": "false", **cfg.env}
+    if cfg.kvcache_space_gib is not None:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kvcache_space_gib:g}")
+    return env
+
+
+def server_env(cfg: VllmConfig) -> dict[str, str]:
+    """A `vllm serve` process's environment: `engine_env`, and its torch threads (its own process sets them)."""
+    env = engine_env(cfg)
+    if cfg.threads:
+        env.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+    return env
+
+
+def server_command(cfg: VllmConfig, model: str | Path, *, dtype: str, host: str, port: int,
+                   max_model_len: int | None, trust_remote_code: bool) -> list[str]:
+    """vLLM's OpenAI server (`vllm serve`) from the engine venv on `model`, with `cfg`'s engine settings."""
+    command = [str(engine_python(cfg)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--dtype", dtype, "--host", host, "--port", str(port), "--seed", "0",
+               "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+               "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if max_model_len:
+        command += ["--max-model-len", str(max_model_len)]
+    if cfg.enforce_eager:
+        command.append("--enforce-eager")
+    if cfg.max_num_seqs:
+        command += ["--max-num-seqs", str(cfg.max_num_seqs)]
+    if trust_remote_code:
+        command.append("--trust-remote-code")
+    return command
 
 
 def start_lock(cfg: VllmConfig) -> FileLock | None:
@@ -157,10 +195,7 @@ class VllmEngine:
         self.take_start_lock()
         python = engine_python(self.cfg)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "TOKENIZERS_PARALLELISM": "false", **self.cfg.env}
-        if self.cfg.kvcache_space_gib is not None:
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.cfg.kvcache_space_gib:g}")
+        env = engine_env(self.cfg)
         if self.cfg.in_process:
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         with self.log_path.open("wb") as log:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,8 +35,8 @@ from stages.common.drafter.config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, conver
 from stages.common.drafter.target import FinalNorm
 from stages.common.engines.engine_process import ServerProcess
 from stages.common.engines.openai_client import request_json, served_models
-from stages.common.engines.vllm_engine import (ROOT, EngineFeaturesConfig, VllmConfig, VllmEngine, check_engine,
-                                               engine_python)
+from stages.common.engines.vllm_engine import (EngineFeaturesConfig, VllmConfig, VllmEngine, check_engine,
+                                               server_command, server_env)
 
 HOST = "127.0.0.1"
 CONNECTORS = {"cpu": ("CpuHiddenStatesConnector", "stages.common.engines.vllm_hidden_states"),
@@ -65,18 +64,11 @@ def serve_command(cfg: EngineFeaturesConfig, target: str, layer_ids: list[int], 
                   port: int) -> list[str]:
     """`vllm serve` on the target with the states capture on (chunked prefill off: the capture needs whole prompts)."""
     settings = capture_settings(layer_ids, FinalNorm.load(target).num_layers, cfg.connector, spill)
-    command = [str(engine_python(cfg.vllm)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
-               "--dtype", cfg.dtype, "--host", HOST, "--port", str(port), "--seed", "0",
-               "--max-model-len", str(cfg.vllm.max_model_len or max_length + 1),
-               "--gpu-memory-utilization", str(cfg.vllm.gpu_memory_utilization),
-               "--tensor-parallel-size", str(cfg.vllm.tensor_parallel_size), "--no-enable-chunked-prefill",
-               "--speculative-config", json.dumps(settings["speculative"]),
-               "--kv-transfer-config", json.dumps(settings["kv_transfer"])]
-    if cfg.vllm.enforce_eager:
-        command.append("--enforce-eager")
-    if cfg.vllm.max_num_seqs:
-        command += ["--max-num-seqs", str(cfg.vllm.max_num_seqs)]
-    return command
+    return server_command(cfg.vllm, target, dtype=cfg.dtype, host=HOST, port=port,
+                          max_model_len=cfg.vllm.max_model_len or max_length + 1,
+                          trust_remote_code=cfg.trust_remote_code) + [
+        "--no-enable-chunked-prefill", "--speculative-config", json.dumps(settings["speculative"]),
+        "--kv-transfer-config", json.dumps(settings["kv_transfer"])]
 
 
 @contextlib.contextmanager
@@ -92,16 +84,10 @@ def states_server(cfg: EngineFeaturesConfig, target: str, layer_ids: list[int], 
         return
     check_engine(cfg.vllm, "finetune.engine.")
     port = free_port(HOST)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "TOKENIZERS_PARALLELISM": "false", **cfg.vllm.env}
-    if cfg.vllm.kvcache_space_gib is not None:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.vllm.kvcache_space_gib:g}")
-    if cfg.vllm.threads:
-        env.setdefault("OMP_NUM_THREADS", str(cfg.vllm.threads))
     command = serve_command(cfg, target, layer_ids, max_length, work / "engine_states", port)
     with ServerProcess("vLLM server", command, f"http://{HOST}:{port}", work / "engine.log",
                        settings="finetune.engine.vllm", startup_timeout_s=cfg.vllm.startup_timeout_s,
-                       request_timeout_s=30, stop_grace_s=cfg.vllm.stop_grace_s, env=env) as server:
+                       request_timeout_s=30, stop_grace_s=cfg.vllm.stop_grace_s, env=server_env(cfg.vllm)) as server:
         yield server.url
 
 
