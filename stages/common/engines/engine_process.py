@@ -16,6 +16,24 @@ from stages.common.contract.errors import RegraftError
 
 LOG_TAIL_LINES = 8
 HEALTH_POLL_S = 0.2  # GET /health interval while a server starts
+# An engine's start besides reading its weights (imports, the memory profile, CUDA graphs, compilation) gets
+# START_FLOOR_S; its weights get their bytes at LOAD_BYTES_PER_S, a network file system's rate (local NVMe reads
+# 2-5 GB/s): too long a timeout only reports a hung start later, too short a one kills a healthy start.
+START_FLOOR_S = 900.0
+LOAD_BYTES_PER_S = 0.5e9
+
+
+def start_timeout(given: float | None, *models: str | Path | None) -> float:
+    """How long an engine may take to start on `models` (a target, a drafter): `given`, or START_FLOOR_S plus their
+    safetensors bytes at LOAD_BYTES_PER_S (Kimi-K2.5's ~595 GB: 900 + 1190 s, where a flat 900 s would kill it)."""
+    if given is not None:
+        return given
+    return START_FLOOR_S + sum(checkpoint_bytes(model) for model in models if model) / LOAD_BYTES_PER_S
+
+
+def checkpoint_bytes(folder: str | Path) -> int:
+    """The bytes of a model folder's safetensors files (0 for what is no folder: a hub name, a missing path)."""
+    return sum(path.stat().st_size for path in Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else 0
 
 
 def stop_group(process: subprocess.Popen, grace_s: float) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 from stages.common.engines.credentials import DEFAULT_KEY_ENV, UNAUTHORIZED, authorize, refuse_secrets, refused_key
 from stages.common.drafter.config import CONVENTIONS, INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
-from stages.common.engines.engine_process import ServerProcess
+from stages.common.engines.engine_process import ServerProcess, start_timeout
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.runtime import free_port
 
@@ -42,7 +42,8 @@ class SglangConfig:
     tp: int = 1  # tensor-parallel size (--tp-size)
     mem_fraction_static: float | None = None  # None = SGLang's own choice
     extra_args: list[str] = field(default_factory=list)  # appended verbatim, e.g. ["--trust-remote-code"]
-    startup_timeout_s: float = 900.0  # loading a Kimi-sized target takes minutes
+    # None: scaled with the checkpoints (engine_process.start_timeout: 900 s, and their weights at an assumed 0.5 GB/s)
+    startup_timeout_s: float | None = None
     request_timeout_s: float = 600.0  # one /generate call
     stop_grace_s: float = 30.0  # SIGTERM to the process group, then SIGKILL after this
 
@@ -58,6 +59,9 @@ def server_command(cfg: SglangConfig, target: str, drafter: str, num_steps: int,
     if cfg.mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
     return command + list(cfg.extra_args)
+
+
+MODEL_FLAGS = ("--model-path", "--speculative-draft-model-path")  # the checkpoints a server loads as it starts
 
 
 def _flag(command: list[str], name: str) -> str:
@@ -85,9 +89,10 @@ class SglangServer(ServerProcess):
             url = _client_url(_flag(command, "--host"), _flag(command, "--port"))
         else:
             raise RegraftError(None, "no SGLang server to use", "set sglang.server_url or give a launch command")
+        models = [_flag(command, name) for name in MODEL_FLAGS if command and name in command]
         super().__init__("SGLang server", command, url, log_path, settings="sglang",
-                         startup_timeout_s=cfg.startup_timeout_s, request_timeout_s=cfg.request_timeout_s,
-                         stop_grace_s=cfg.stop_grace_s)
+                         startup_timeout_s=start_timeout(cfg.startup_timeout_s, *models),
+                         request_timeout_s=cfg.request_timeout_s, stop_grace_s=cfg.stop_grace_s)
         self.cfg = cfg
 
 

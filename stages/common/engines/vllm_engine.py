@@ -29,7 +29,7 @@ from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 
 from stages.common.engines import vllm_worker  # noqa: F401  (runs in the engine venv; imported here for the cache key)
-from stages.common.engines.engine_process import log_tail, stop_group
+from stages.common.engines.engine_process import log_tail, start_timeout, stop_group
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.hardware import Holds, gpu_visible
 
@@ -51,7 +51,8 @@ class VllmConfig:
     max_model_len: Optional[int] = None  # None = the target's own
     max_num_seqs: Optional[int] = None  # None = vLLM's default
     tensor_parallel_size: int = 1  # GPUs one engine spans (8 for a Kimi-sized target)
-    startup_timeout_s: float = 900.0
+    # None: scaled with the checkpoint (engine_process.start_timeout: 900 s, and its weights at an assumed 0.5 GB/s)
+    startup_timeout_s: Optional[float] = None
     request_timeout_s: float = 1800.0
     stop_grace_s: float = 30.0
     in_process: bool = True  # the engine core in the worker's process: one interpreter's imports, not three
@@ -203,7 +204,7 @@ class VllmEngine:
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                             start_new_session=True)
         try:
-            imported = self._read(self.cfg.startup_timeout_s, "while it imported vLLM")
+            imported = self._read(start_timeout(self.cfg.startup_timeout_s), "while it imported vLLM")
             self.import_seconds, self.versions = imported["imported"], imported.get("versions", {})
         except BaseException:
             self.stop()
@@ -224,10 +225,10 @@ class VllmEngine:
                 "trust_remote_code": trust_remote_code, "tensor_parallel_size": self.cfg.tensor_parallel_size,
                 "gpu_memory_utilization": self.cfg.gpu_memory_utilization, "max_model_len": self.cfg.max_model_len,
                 "max_num_seqs": self.cfg.max_num_seqs, "threads": self.cfg.threads, **(extra or {})}
+        timeout = start_timeout(self.cfg.startup_timeout_s, model, (speculative or {}).get("model"))
         self.take_start_lock()
         try:
-            self.startup_seconds = self.request({"op": "start", "spec": spec}, self.cfg.startup_timeout_s)[
-                "startup_seconds"]
+            self.startup_seconds = self.request({"op": "start", "spec": spec}, timeout)["startup_seconds"]
         finally:
             self.release_start_lock()
         return self.startup_seconds

@@ -33,7 +33,7 @@ from stages.common.contract.errors import RegraftError
 from stages.common.contract.runtime import free_port
 from stages.common.drafter.config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
 from stages.common.drafter.target import FinalNorm
-from stages.common.engines.engine_process import ServerProcess
+from stages.common.engines.engine_process import ServerProcess, start_timeout
 from stages.common.engines.openai_client import request_json, served_models
 from stages.common.engines.vllm_engine import (EngineFeaturesConfig, VllmConfig, VllmEngine, check_engine,
                                                server_command, server_env)
@@ -76,18 +76,18 @@ def states_server(cfg: EngineFeaturesConfig, target: str, layer_ids: list[int], 
                   work: Path) -> Iterator[str]:
     """The URL of a server that computes the target's states: `cfg.server_url`, checked, or one started here (its log
     and the connector's files under `work`) and stopped when the block ends."""
+    timeout = start_timeout(cfg.vllm.startup_timeout_s, target)
     if cfg.server_url:
         with ServerProcess("vLLM server", None, cfg.server_url, work / "engine.log", settings="finetune.engine",
-                           startup_timeout_s=cfg.vllm.startup_timeout_s, request_timeout_s=30,
-                           stop_grace_s=cfg.vllm.stop_grace_s):
+                           startup_timeout_s=timeout, request_timeout_s=30, stop_grace_s=cfg.vllm.stop_grace_s):
             yield cfg.server_url.rstrip("/")
         return
     check_engine(cfg.vllm, "finetune.engine.")
     port = free_port(HOST)
     command = serve_command(cfg, target, layer_ids, max_length, work / "engine_states", port)
     with ServerProcess("vLLM server", command, f"http://{HOST}:{port}", work / "engine.log",
-                       settings="finetune.engine.vllm", startup_timeout_s=cfg.vllm.startup_timeout_s,
-                       request_timeout_s=30, stop_grace_s=cfg.vllm.stop_grace_s, env=server_env(cfg.vllm)) as server:
+                       settings="finetune.engine.vllm", startup_timeout_s=timeout, request_timeout_s=30,
+                       stop_grace_s=cfg.vllm.stop_grace_s, env=server_env(cfg.vllm)) as server:
         yield server.url
 
 
