@@ -4,16 +4,21 @@ with its output in a log file, and stopping it stops the whole group (engines sp
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlparse
 
 from stages.common.contract.errors import RegraftError
 
+HOST = "127.0.0.1"  # where regraft starts a server for its own requests
 LOG_TAIL_LINES = 8
 HEALTH_POLL_S = 0.2  # GET /health interval while a server starts
 # An engine's start besides reading its weights (imports, the memory profile, CUDA graphs, compilation) gets
@@ -161,3 +166,22 @@ def healthy(url: str, timeout: float) -> bool:
             return answer.status == 200
     except (urllib.error.URLError, http.client.HTTPException, OSError):  # refused, 503 while loading, timeouts
         return False
+
+
+def interpreter_found(python: str) -> bool:
+    """A path that exists, or a bare name on PATH (`python`)."""
+    return Path(python).exists() if "/" in python else shutil.which(python) is not None
+
+
+def on_this_machine(url: str) -> bool:
+    """Whether `url`'s host is this machine: a loopback or wildcard address, this host's name, or a name that
+    resolves to one of those or to this host's own address (a name that does not resolve is not this machine)."""
+    host = urlparse(url).hostname or ""
+    if host in ("localhost", "0.0.0.0", "::", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(host))
+        own = socket.gethostbyname_ex(socket.gethostname())[2]
+    except (OSError, ValueError):
+        return False
+    return address.is_loopback or str(address) in own

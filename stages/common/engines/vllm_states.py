@@ -33,12 +33,11 @@ from stages.common.contract.errors import RegraftError
 from stages.common.contract.runtime import free_port
 from stages.common.drafter.config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
 from stages.common.drafter.target import FinalNorm
-from stages.common.engines.engine_process import ServerProcess, start_timeout
+from stages.common.engines.engine_process import HOST, ServerProcess, start_timeout
 from stages.common.engines.openai_client import request_json, served_models
 from stages.common.engines.vllm_engine import (EngineFeaturesConfig, VllmConfig, VllmEngine, check_engine,
                                                server_command, server_env)
 
-HOST = "127.0.0.1"
 CONNECTORS = {"cpu": ("CpuHiddenStatesConnector", "stages.common.engines.vllm_hidden_states"),
               "stock": ("ExampleHiddenStatesConnector", None)}
 
