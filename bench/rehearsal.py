@@ -199,8 +199,10 @@ def engine_of(node: str, config: dict) -> str:
     """Where a stage's model ran, from the run's resolved config."""
     if node == "regenerate":
         return "vllm serve (OpenAI API)"
-    if node == "features":
-        return f"{config['features']['backend']} ({config['features']['vllm_connector']} connector)"
+    if node in ("features", "diagnose") and config[node]["backend"] == "vllm":
+        return f"vllm ({config[node]['vllm_connector']} connector)"
+    if node in ("features", "diagnose"):
+        return config[node]["backend"]
     if node in ("probe", "evaluate", "baseline_evaluate"):
         return config["probe"]["backend"]
     if node in ("finetune", "baseline_finetune"):
