@@ -224,9 +224,12 @@ def table(result: dict) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}" for a, b, c, d in rows]
     agreement = result["agreement"]
+    # the log-probs are compared where the tokens agree: with none equal there is nothing to compare
+    compared = f"largest log-prob difference {agreement['max_logprob_diff']:.2e}" if agreement["equal_tokens"] \
+        else "so no log-prob compared"
     lines += ["", f"vllm serve vs transformers (Kimi_K25ForConditionalGeneration, float32), {agreement['prompts']} "
               f"prompts x {SERVER_TOKENS} greedy tokens: {agreement['equal_tokens']} of {agreement['tokens']} tokens "
-              f"equal, largest log-prob difference {agreement['max_logprob_diff']:.2e}"]
+              f"equal, {compared}"]
     return "\n".join(lines)
 
 
