@@ -1,4 +1,5 @@
-"""Acceptance while a fine-tune trains (`finetune.eval_every`): the drafter as it is, decoded against the hf target
+"""Acceptance while a fine-tune trains (`finetune.eval_every`, and at the end): the drafter as it is (and the state the
+stage keeps, once, where it was not measured), decoded against the hf target
 by the probe's own greedy speculative decoder on a held-out slice of the eval sets (the conversations after the
 probe's, in the probe's seeded order), and its accept_len pooled per set and over all sets, as the probe pools it.
 

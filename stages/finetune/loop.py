@@ -288,7 +288,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                   flush=True)
     keeps = rank == 0  # the rank that exports: the others hold no copy of the best weights
     best = torch.load(best_file, map_location="cpu", weights_only=True) if cfg.resume and best_file.exists() else \
-        {"state": snapshot(engine.module, keeps), "val": {}, "eval": {}}
+        {"state": snapshot(engine.module, keeps), "val": {}, "eval": {}, "step": progress.step}
     probe = AcceptanceProbe(cfg, device) if cfg.eval_every and rank == 0 else None
     by_acceptance = SelectBy(cfg.select_by) is SelectBy.accept_len
     stop = StopSignal()
@@ -305,33 +305,32 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             os.replace(checkpoints / "latest.tmp", checkpoints / "latest")
             prune_checkpoints(checkpoints, cfg.keep_checkpoints)
 
-    latest: dict[int, dict[str, float]] = {}  # the last measurement, by its step
-
-    def measured() -> dict[str, float]:
-        """accept_len of the weights as they are now (rank 0 decodes, every rank gets its figures), logged once."""
-        if progress.measured == progress.step and progress.step in latest:
-            return latest[progress.step]
-        state = snapshot(engine.module, keeps)  # on every rank: gathering partitioned weights is collective
+    def measured(state: dict[str, torch.Tensor] | None = None, step: int | None = None) -> dict[str, float]:
+        """accept_len of the weights as they are now, or of a kept `state` from `step` (rank 0 decodes, every rank
+        gets its figures), logged at the step the weights are from."""
+        if state is None:  # on every rank: gathering partitioned weights is collective
+            state, step = snapshot(engine.module, keeps), progress.step
         figures = [probe.measure(state, engine.module.config) if probe is not None else None]
         if world > 1:
             torch.distributed.broadcast_object_list(figures, src=0)
-        progress.measured = progress.step
-        latest.clear()
-        latest[progress.step] = figures[0]
-        log.write(progress.step, EVAL, figures[0])
+        progress.measured = max(progress.measured, step)
+        log.write(step, EVAL, figures[0])
         return figures[0]
 
     def assess(best: dict, validating: bool) -> dict:
         """The weights as they are now: validated at `validating` points (every epoch; at every measurement when the
-        kept state is chosen by acceptance), their acceptance measured where eval_every asks; they become the kept
-        state if they beat it by select_by (the lowest validation loss, or the highest accept_len)."""
+        kept state is chosen by acceptance), their acceptance measured where eval_every asks (its cadence and the
+        last step); they become the kept state if they beat it by select_by (the lowest validation loss, or the
+        highest accept_len)."""
+        due = bool(cfg.eval_every) and progress.measured < progress.step and \
+            (progress.step % cfg.eval_every == 0 or progress.step >= total_steps)
         val = {}
-        if validating or (by_acceptance and progress.validated < progress.step):
+        if validating or (by_acceptance and due and progress.validated < progress.step):
             val = validate(engine.module, target, val_data, cfg, waits) if len(val_data) else {}
             progress.validated = progress.step
             if val:
                 log.write(progress.step, "val", val)
-        accepted = measured() if cfg.eval_every else {}
+        accepted = measured() if due else {}
         if by_acceptance:
             better = bool(accepted) and accepted["accept_len"] > progress.best_accept_len
         else:
@@ -339,10 +338,17 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
         if better:
             progress.best_val_loss = val.get("loss", progress.best_val_loss)
             progress.best_accept_len = accepted.get("accept_len", progress.best_accept_len)
-            best = {"state": snapshot(engine.module, keeps), "val": val, "eval": accepted}
+            best = {"state": snapshot(engine.module, keeps), "val": val, "eval": accepted, "step": progress.step}
             if rank == 0:  # a job killed while saving leaves the previous best whole
                 torch.save(best, best_file.with_suffix(".tmp"))
                 os.replace(best_file.with_suffix(".tmp"), best_file)
+        return best
+
+    def kept_measured(best: dict) -> dict:
+        """The kept state with its acceptance: measured now if it was kept at a step without a measurement (by val
+        loss, between two measurements)."""
+        if cfg.eval_every and not best.get("eval"):
+            best = {**best, "eval": measured(best["state"], best.get("step", 0))}
         return best
 
     end = total_steps if cfg.stop_at is None else min(cfg.stop_at, total_steps)
@@ -394,6 +400,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
     if progress.step >= total_steps and progress.validated < progress.step:
         best = assess(best, validating=True)
     bar.close()
+    best = kept_measured(best)
     return best["state"], best["val"], best.get("eval", {})
 
 
