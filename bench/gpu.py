@@ -102,7 +102,7 @@ def finetune_path(family: str, sizes: dict, seq: int, ttt_steps: int, steps: int
     """The fine-tune stage's own loop (`stages.finetune.loop.train`) on one rank for `steps` optimizer steps:
     DeepSpeed (ZeRO-0; bf16 on a GPU), AdamW, the target's head on the rank's device, and batches of cached states
     from host memory, moved as the stage moves them (pinned, read ahead); beside it, the fake-tensor estimate of
-    the same rank's peak (`stages.finetune.memory`). Its tokens/s is the loop's own (metrics.jsonl), the step after
+    the same rank's peak (`stages.common.drafter.memory`). Its tokens/s is the loop's own (metrics.jsonl), the step after
     one warm-up."""
     import torch
 
@@ -114,7 +114,7 @@ def finetune_path(family: str, sizes: dict, seq: int, ttt_steps: int, steps: int
     from stages.common.drafter.vocab import VocabMap
     from stages.finetune import init_distributed
     from stages.finetune.loop import MetricsLog, Progress, train
-    from stages.finetune.memory import fine_tune_memory
+    from stages.common.drafter.memory import fine_tune_memory
 
     rank_device = init_distributed(False, 0, "cpu" if device == "cpu" else "auto")
     dtype = torch.bfloat16 if rank_device.type == "cuda" else torch.float32
@@ -240,7 +240,7 @@ def loop_table(rows: list[dict]) -> str:
         lines.append(f"| {row['family']} | {loop['tokens_s']:,.0f} | {peak} | {loop['estimate_gib']:.1f} | "
                      f"{loop['device']} {loop['dtype']} | {loop['loss']:.3f} |")
     return "\n".join(lines + ["", "The stage's loop: stages.finetune.loop.train on one rank (DeepSpeed ZeRO-0, AdamW, "
-                               "the target head on the device), tokens/s its own; estimated: stages.finetune.memory."])
+                               "the target head on the device), tokens/s its own; estimated: stages.common.drafter.memory."])
 
 
 def device_name(device: str) -> str:

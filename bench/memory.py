@@ -1,4 +1,4 @@
-"""A fine-tune's peak GPU memory per rank, as the plan estimates it (stages/finetune/memory.py), for the Kimi-K2.5
+"""A fine-tune's peak GPU memory per rank, as the plan estimates it (stages/common/drafter/memory.py), for the Kimi-K2.5
 drafter at `experiment=kimi_k25`'s settings and around them: each drafter family, sequence length and ZeRO stage,
 beside a B200's memory. Seconds on any machine (no GPU: the step runs on the meta device).
 
@@ -35,7 +35,7 @@ def kimi_drafter(family: str):
 
 
 def table() -> str:
-    from stages.finetune.memory import HEADROOM, fine_tune_memory
+    from stages.common.drafter.memory import HEADROOM, fine_tune_memory
 
     gib = 2 ** 30
     lines = ["| family | tokens | TTT steps | ZeRO | model states GiB | step GiB | target head GiB | total GiB | "

@@ -200,8 +200,10 @@ def engine_of(node: str, config: dict) -> str:
     """Where a stage's model ran, from the run's resolved config."""
     if node == "regenerate":
         return "vllm serve (OpenAI API)"
-    if node == "features":
-        return f"{config['features']['backend']} ({config['features']['vllm_connector']} connector)"
+    if node in ("features", "diagnose") and config[node]["backend"] == "vllm":
+        return f"vllm ({config[node]['vllm_connector']} connector)"
+    if node in ("features", "diagnose"):
+        return config[node]["backend"]
     if node in ("probe", "evaluate", "baseline_evaluate"):
         return config["probe"]["backend"]
     if node in ("finetune", "baseline_finetune"):
@@ -223,9 +225,12 @@ def table(result: dict) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}" for a, b, c, d in rows]
     agreement = result["agreement"]
+    # the log-probs are compared where the tokens agree: with none equal there is nothing to compare
+    compared = f"largest log-prob difference {agreement['max_logprob_diff']:.2e}" if agreement["equal_tokens"] \
+        else "so no log-prob compared"
     lines += ["", f"vllm serve vs transformers (Kimi_K25ForConditionalGeneration, float32), {agreement['prompts']} "
               f"prompts x {SERVER_TOKENS} greedy tokens: {agreement['equal_tokens']} of {agreement['tokens']} tokens "
-              f"equal, largest log-prob difference {agreement['max_logprob_diff']:.2e}"]
+              f"equal, {compared}"]
     return "\n".join(lines)
 
 

@@ -207,9 +207,11 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
 
 
 def mark_new_target(node: Node, target: DictConfig) -> None:
-    """Every node past setup runs on the new target: its remote code, and its name in the drafters they write."""
-    if "trust_remote_code" in node.config:
-        node.config.trust_remote_code = node.config.trust_remote_code or target.trust_remote_code
+    """Every node past setup runs on the new target: its remote code (in the stage, and in the server an online
+    fine-tune starts), and its name in the drafters they write."""
+    for config in (node.config, node.config.get("engine")):
+        if config is not None and "trust_remote_code" in config:
+            config.trust_remote_code = config.trust_remote_code or target.trust_remote_code
     for key in ("target_name", "verifier_name"):
         if key in node.config:
             node.config[key] = target.name

@@ -47,7 +47,7 @@ class Estimate:
     checkpoint_bytes: int | None = None
     flops: float | None = None
     gpu_hours: float | None = None
-    rank_memory: dict[str, int] | None = None  # a fine-tune rank's peak GPU bytes, by part (stages/finetune/memory.py)
+    rank_memory: dict[str, int] | None = None  # a fine-tune rank's peak GPU bytes, by part (stages/common/drafter/memory.py)
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -279,7 +279,7 @@ def _rank_memory(config_text: str, micro_batch: int, seq: int, ttt_steps: int, z
     import torch
 
     from stages.common.drafter.config import DrafterConfig
-    from stages.finetune.memory import fine_tune_memory
+    from stages.common.drafter.memory import fine_tune_memory
 
     found = fine_tune_memory(DrafterConfig(**json.loads(config_text)), micro_batch, seq, ttt_steps, zero_stage,
                              gpus_per_node, nodes, dtype=torch.bfloat16 if bf16 else torch.float32)
@@ -287,7 +287,7 @@ def _rank_memory(config_text: str, micro_batch: int, seq: int, ttt_steps: int, z
 
 
 def rank_memory(config: DictConfig, drafter: Any) -> dict[str, int]:
-    """A fine-tune rank's peak GPU memory by part, bf16 unless deepspeed.bf16=false (stages/finetune/memory.py)."""
+    """A fine-tune rank's peak GPU memory by part, bf16 unless deepspeed.bf16=false (stages/common/drafter/memory.py)."""
     ds = config.deepspeed
     parts = _rank_memory(json.dumps(dataclasses.asdict(drafter), sort_keys=True), int(config.micro_batch_size),
                          int(config.max_length), int(config.ttt_steps), int(ds.zero_stage), int(config.nproc),

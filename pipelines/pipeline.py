@@ -105,20 +105,32 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
                           tracker.runs_link() if tracker else None)
 
 
+def evaluated_turns(out: str) -> list[dict]:
+    """An evaluation's rows (per_prompt.csv: conversation, turn, completion_tokens, verify_steps, ...)."""
+    import csv
+
+    path = Path(out) / "per_prompt.csv"
+    return list(csv.DictReader(path.open())) if path.exists() else []
+
+
 def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> tuple[dict[str, NodeResult], dict]:
     """pipeline.race: the rungs (pipelines/race.py), each a run of cached nodes; then the winner evaluated as phase 1."""
     run_rungs = rung_runner(cfg, launcher, tracker, console)
     nodes, results, outcome = run_race(cfg, run_rungs)
-    if cfg.pipeline.evaluate:  # the winner is phase 1; the other family's finalist is measured the same way
-        names = [PHASE1.evaluate] + [f"{finalist.candidate.name}_evaluate" for finalist in outcome.finalists[1:]]
-        phases = [PHASE1.phase] + ["race"] * (len(names) - 1)
-        evaluations = [evaluate_node(cfg, name, finalist.result.out, phase)
-                       for name, finalist, phase in zip(names, outcome.finalists, phases)]
+    if cfg.pipeline.evaluate:  # every finalist measured as phase 1 is; the one that accepts more is phase 1
+        names = [f"{finalist.candidate.name}_evaluate" for finalist in outcome.finalists]
+        evaluations = [evaluate_node(cfg, name, finalist.result.out, "race")
+                       for name, finalist in zip(names, outcome.finalists)]
         results.update(run_rungs(evaluations, results))
         for name, finalist in zip(names, outcome.finalists):
             finalist.accept_len = results[name].metrics.get("accept_len")
             finalist.per_set = {key.removeprefix("accept_len/"): value for key, value in results[name].metrics.items()
                                 if key.startswith("accept_len/")}
+            finalist.turns = evaluated_turns(results[name].out)
+        outcome.decide()
+        # the winner's own evaluation again under phase 1's name: the same node config, so a cache hit
+        results.update(run_rungs([evaluate_node(cfg, PHASE1.evaluate, outcome.winner.result.out, PHASE1.phase)],
+                                 results))
     console.print(race_table(outcome))
     summary = race_summary(outcome, cfg.race.budget_steps)
     console.print(f"race: {summary['decision']}", highlight=False, soft_wrap=True)

@@ -182,7 +182,7 @@ def gpu_bytes_for_training(config: DictConfig, memory_gb: float) -> tuple[float,
 
 
 def memory_problems(node: Node, config: DictConfig, figures: Estimate, plan: DictConfig) -> list[str]:
-    """A fine-tune whose rank's peak (stages/finetune/memory.py) does not fit one GPU of plan.device."""
+    """A fine-tune whose rank's peak (stages/common/drafter/memory.py) does not fit one GPU of plan.device."""
     memory_gb = plan.devices[plan.device].get("memory_gb") if plan.device in plan.devices else None
     if not memory_gb or not figures.rank_memory:
         return []

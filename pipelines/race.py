@@ -5,8 +5,13 @@ is always that long). Successive halving: every candidate trains to the first ru
 loss (TTT's decay-weighted loss on the held-out split, lower is better: the figure every fine-tune reports, and
 the one its best checkpoint is chosen by) continue to the next, and so on. Rung r of R ends at
 `ceil(budget / eta^(R-1-r))` steps, none inside the warmup. Each family's best (transfer: remap, realign; scratch)
-always goes on, so transfer-or-scratch is decided at the full budget, where both finalists are evaluated; the
-winner is the finalist with the lower val loss, and its evaluation is phase 1.
+always goes on, so transfer-or-scratch is decided at the full budget, where both finalists are evaluated as phase 1
+is (the probe stage on the eval sets). The winner is the finalist with the higher measured accept_len, the number
+regraft sells: val loss is scored against the training map, and a vocab or feature mismatch can hide there while
+acceptance collapses (SpecForge PR #534). Two finalists whose accept_len differ by less than the measurement's noise
+tie (`accept_len_gap`: a paired bootstrap over the conversations both answered, 95%), and the tie falls back to
+val loss, saying so; without evaluations (pipeline.evaluate=false) val loss decides. The winner's evaluation is
+phase 1.
 
 A rung is a finetune node with `stop_at` = its step and a checkpoint folder shared by the candidate's rungs, so a
 promoted candidate resumes from its rung checkpoint and continues exactly as one uninterrupted run would
@@ -27,7 +32,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.cache import CacheCheck, keys_for
-from pipelines.dag import PHASE1, PROBE, Node, build_nodes, finetune_node
+from pipelines.dag import PHASE1, PROBE, Node, build_nodes, evaluate_node, finetune_node
 from pipelines.runner import NodeResult, run_dag
 
 
@@ -110,14 +115,79 @@ class Finalist:
     sim_accept_len: float
     accept_len: float | None = None  # measured by its evaluate node, when pipeline.evaluate
     per_set: dict[str, float] = field(default_factory=dict)  # its accept_len on each eval set, likewise
+    turns: list[dict] = field(default_factory=list)  # its evaluation's rows (per_prompt.csv): the noise's paired draws
+
+
+@dataclass(frozen=True)
+class Gap:
+    """One finalist's measured accept_len minus another's over the same conversations, and its 95% interval."""
+
+    difference: float
+    low: float
+    high: float
+    conversations: int
+
+    @property
+    def tie(self) -> bool:
+        return self.low <= 0 <= self.high
+
+    def __str__(self) -> str:
+        return (f"{self.difference:+.3f}, 95% interval {self.low:+.3f} to {self.high:+.3f} over {self.conversations} "
+                "paired conversations")
+
+
+BOOTSTRAP_DRAWS = 2000
+
+
+def accept_len_gap(ahead: Finalist, behind: Finalist, draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> Gap:
+    """`ahead`'s pooled accept_len minus `behind`'s, and its spread: both evaluations asked the same conversations
+    (the probe's seeded pick), so conversations are drawn with replacement, the same draw for both, `draws` times,
+    and each draw's difference of the pooled ratios (emitted tokens over target forwards) taken; the interval is the
+    middle 95% of them. A conversation is the unit because its turns share one context."""
+    import random
+
+    def per_conversation(rows: list[dict]) -> dict[str, tuple[int, int]]:
+        sums: dict[str, tuple[int, int]] = {}
+        for row in rows:
+            tokens, steps = sums.get(str(row["conversation"]), (0, 0))
+            sums[str(row["conversation"])] = tokens + int(row["completion_tokens"]), steps + int(row["verify_steps"])
+        return sums
+
+    mine, theirs = per_conversation(ahead.turns), per_conversation(behind.turns)
+    shared = sorted(set(mine) & set(theirs))
+
+    def pooled(sums: dict[str, tuple[int, int]], picked: list[str]) -> float:
+        return sum(sums[c][0] for c in picked) / max(sum(sums[c][1] for c in picked), 1)
+
+    generator = random.Random(seed)
+    differences = sorted(pooled(mine, draw) - pooled(theirs, draw)
+                         for draw in ([generator.choice(shared) for _ in shared] for _ in range(draws)))
+    return Gap(pooled(mine, shared) - pooled(theirs, shared), differences[int(0.025 * draws)],
+               differences[int(0.975 * draws) - 1], len(shared))
 
 
 @dataclass
 class RaceOutcome:
     rows: list[RungRow]
-    finalists: list[Finalist]  # the winner first
+    finalists: list[Finalist]  # the winner first: by val loss until `decide` ranks them by measured accept_len
     steps_spent: int
     steps_all: int
+    basis: str = "val_loss"  # what decided: accept_len, val_loss (not measured), or tie (accept_len within noise)
+    gap: Gap | None = None  # the winner's measured accept_len over the rival's
+
+    def decide(self) -> None:
+        """The winner by measured accept_len, where every finalist was evaluated; a tie within the noise keeps the
+        val-loss order (the finalists come ranked by it)."""
+        if len(self.finalists) < 2 or any(f.accept_len is None or not f.turns for f in self.finalists):
+            return
+        ahead, behind = sorted(self.finalists[:2], key=lambda f: -f.accept_len)
+        self.gap = accept_len_gap(ahead, behind)
+        if self.gap.tie:
+            self.basis = "tie"
+            self.gap = accept_len_gap(self.finalists[0], self.finalists[1])
+        else:
+            self.basis = "accept_len"
+            self.finalists = [ahead, behind, *self.finalists[2:]]
 
     @property
     def winner(self) -> Finalist:
@@ -190,23 +260,32 @@ def run_race(cfg: DictConfig, run_rungs) -> tuple[list[Node], dict[str, NodeResu
 
 
 def decision(outcome: RaceOutcome, budget: int) -> str:
-    """One sentence: the winner, the best of the other family at the same full budget, and what the race cost."""
+    """One sentence: the winner and what decided it (measured accept_len, or val loss in a tie or unmeasured), both
+    figures beside, whether val loss would have ranked them the other way, and what the race cost."""
     winner = outcome.winner
     family = "scratch" if winner.candidate.family == "scratch" else f"transfer ({winner.candidate.init})"
     if len(outcome.finalists) == 1:
         text = (f"{family} wins: {winner.candidate.label}, val loss {winner.val_loss:.3f} at the full budget of "
                 f"{budget} steps (race.inits has no {'transfer' if family == 'scratch' else 'scratch'} candidate)")
+        return text + f"; the race spent {outcome.compute_share:.0%} of running all candidates to the end"
+    rival = outcome.finalists[1]
+    pair = f"{winner.candidate.label} vs {rival.candidate.label}"
+    losses = f"val loss {winner.val_loss:.3f} vs {rival.val_loss:.3f}"
+    if outcome.basis == "accept_len":
+        text = (f"{family} beats {rival.candidate.family} by measured accept_len at the full budget of {budget} "
+                f"steps: {pair}, accept_len {winner.accept_len:.3f} vs {rival.accept_len:.3f} ({outcome.gap}), "
+                f"{losses}")
+        if winner.val_loss > rival.val_loss:
+            text += "; val loss ranks them the other way"
+        text += where_the_rival_wins(winner, rival)
+    elif outcome.basis == "tie":
+        text = (f"{family} beats {rival.candidate.family} on val loss at the full budget of {budget} steps, as their "
+                f"measured accept_len ties: {pair}, accept_len {winner.accept_len:.3f} vs {rival.accept_len:.3f} "
+                f"({outcome.gap}: within the noise), {losses}")
     else:
-        rival = outcome.finalists[1]
-        text = (f"{family} beats {rival.candidate.family} at the full budget of {budget} steps: "
-                f"{winner.candidate.label} vs {rival.candidate.label}, val loss {winner.val_loss:.3f} vs "
-                f"{rival.val_loss:.3f}")
-        if winner.accept_len is not None and rival.accept_len is not None:
-            text += (f", accept_len {winner.accept_len:.3f} vs {rival.accept_len:.3f} "
-                     f"({winner.accept_len - rival.accept_len:+.3f})")
-            text += where_the_rival_wins(winner, rival)
-        else:
-            text += f", sim accept_len {winner.sim_accept_len:.3f} vs {rival.sim_accept_len:.3f}"
+        text = (f"{family} beats {rival.candidate.family} on val loss at the full budget of {budget} steps "
+                f"(no finalist was evaluated: pipeline.evaluate=false): {pair}, {losses}, sim accept_len "
+                f"{winner.sim_accept_len:.3f} vs {rival.sim_accept_len:.3f}")
     return text + f"; the race spent {outcome.compute_share:.0%} of running all candidates to the end"
 
 
@@ -225,7 +304,8 @@ def where_the_rival_wins(winner: Finalist, rival: Finalist) -> str:
 def race_table(outcome: RaceOutcome):
     from rich.table import Table
 
-    table = Table(title="race: successive halving by val loss", title_justify="left")
+    table = Table(title="race: successive halving by val loss; the finalists by measured accept_len",
+                  title_justify="left")
     for column in ("rung", "step", "candidate", "val loss", "sim accept", "on"):
         table.add_column(column, justify="right" if column not in ("candidate", "on") else "left")
     last = max(row.rung for row in outcome.rows)
@@ -237,7 +317,9 @@ def race_table(outcome: RaceOutcome):
 
 
 def race_summary(outcome: RaceOutcome, budget: int) -> dict:
+    gap = None if outcome.gap is None else vars(outcome.gap)
     return {"decision": decision(outcome, budget), "winner": outcome.winner.candidate.label,
+            "decided_by": outcome.basis, "accept_len_gap": gap,
             "finalists": [{"candidate": f.candidate.label, "family": f.candidate.family, "val_loss": f.val_loss,
                            "sim_accept_len": f.sim_accept_len, "accept_len": f.accept_len, "per_set": f.per_set}
                           for f in outcome.finalists],
@@ -258,13 +340,35 @@ def rung_runner(cfg: DictConfig, launcher, tracker, console) -> Callable:
     return run_rungs
 
 
-def every_candidate_to_the_end(cfg: DictConfig, run_rungs) -> list[tuple[str, float]]:
+@dataclass(frozen=True)
+class Reference:
+    """A candidate trained to the full budget in its own folder: its val loss and, evaluated, its accept_len."""
+
+    label: str
+    val_loss: float
+    accept_len: float | None
+
+    @property
+    def family(self) -> str:
+        return "scratch" if self.label.startswith("scratch") else "transfer"
+
+
+def every_candidate_to_the_end(cfg: DictConfig, run_rungs) -> list[Reference]:
     """The reference a race answers without paying for it: every candidate trained to the full budget in its own
-    checkpoint folder, ranked by the same figure (val loss). For tests and bench/race.py."""
+    checkpoint folder and evaluated as phase 1 is (pipeline.evaluate), ranked as the race decides: by measured
+    accept_len, highest first (by val loss where nothing was evaluated). For tests and bench/race.py."""
     base = base_nodes(cfg)
     results = run_rungs(base, {})
     whole = [rung_node(cfg, candidate, None, None) for candidate in candidates(cfg)]
     done = run_rungs(whole, results)
-    ranking = [(candidate.label, done[node.name].metrics.get("val_loss", math.inf))
-               for candidate, node in zip(candidates(cfg), whole)]
-    return sorted(ranking, key=lambda item: item[1])
+    measured: dict[str, float | None] = {node.name: None for node in whole}
+    if cfg.pipeline.evaluate:
+        evaluations = {node.name: evaluate_node(cfg, f"{node.name}_evaluate", done[node.name].out, "race")
+                       for node in whole}
+        evaluated = run_rungs(list(evaluations.values()), {**results, **done})
+        measured = {name: evaluated[node.name].metrics.get("accept_len") for name, node in evaluations.items()}
+    references = [Reference(candidate.label, done[node.name].metrics.get("val_loss", math.inf), measured[node.name])
+                  for candidate, node in zip(candidates(cfg), whole)]
+    if all(reference.accept_len is not None for reference in references):
+        return sorted(references, key=lambda reference: (-reference.accept_len, reference.val_loss))
+    return sorted(references, key=lambda reference: reference.val_loss)

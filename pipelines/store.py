@@ -38,7 +38,7 @@ def checkpoint_hashes(out: Path) -> dict[str, str]:
             if p.is_file() and p.suffix in CHECKPOINT_SUFFIXES}
 
 
-SERIES_PREFIXES = ("train", "val", "preflight")  # metrics.jsonl splits, and the manifest keys that are their points
+SERIES_PREFIXES = ("train", "val", "preflight", "eval")  # metrics.jsonl splits, and the manifest keys that are their points
 
 
 def metric_name(key: str, split: str | None = None) -> str:

@@ -16,28 +16,37 @@ out:
   the part of the loss that comes from the features, not the vocab.
 Without target A it says which numbers it cannot give (drift, realign, gap) and gives the rest.
 
+Where the targets run (`backend`): `hf` loads each in transformers here (float32); `vllm` never does. There each
+target's aux and final states come from vLLM's offline engine, extracted as the features stage extracts them
+(stages/common/engines/vllm_states.py; its log is `engine_b.log`, `engine_a.log`), and its token embeddings and
+lm_head are read from its folder, the TTT signals computed from the final states a vocab chunk at a time, as a
+fine-tune on cached features computes them.
+
     python -m stages.diagnose drafter=REMAPPED target=B target_a=A data=CHATS vocab_map=MAP out=DIR
 """
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig
 
 from stages.common.drafter import drift
-from stages.common.contract.artifacts import read_manifest, staged_output
+from stages.common.contract.artifacts import StagedOutput, read_manifest, staged_output
 from stages.common.data.chat import load_tokenizer, tokenized_chats
 from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import StageResult, stage_main
-from stages.common.drafter.target import TargetFeatures, TargetModel
+from stages.common.drafter.config import OUTPUT_OF_LAYER, convert_aux_layer_ids
+from stages.common.drafter.target import TargetFeatures, TargetHead, TargetModel, TargetSignals
 from stages.common.drafter.ttt import draft_vocab_ids, ttt_forward
 from stages.common.drafter.verifier import Verifier
 from stages.common.drafter.vocab import VocabMap, load_vocab_map
+from stages.common.engines.vllm_states import OfflineStates
+from stages.schemas.diagnose import Backend
 
 INITS = ("as_is", "remap", "realign", "scratch")
 
@@ -62,6 +71,35 @@ def scratch_drafter(template: Eagle3Drafter, training_map: VocabMap, target: str
         with torch.no_grad():
             drafter.lm_head.weight.copy_(verifier.lm_head_rows(training_map.target_ids).float())
     return drafter.eval()
+
+
+@dataclass
+class Measured:
+    """A target as diagnose reads it: its states over the rows (with the TTT signals where draft ids were given), and
+    its token embeddings (what the drafter reads, and the table the embedding map is fitted on)."""
+
+    features: TargetFeatures
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    embeddings: torch.Tensor  # [V, H]
+
+
+def measured(cfg: DictConfig, path: str, ids: list[int], convention: str, rows: dict,
+             draft_ids: Optional[torch.Tensor], staged: StagedOutput, name: str) -> Measured:
+    """One target over the rows, where `backend` runs it (the module docstring)."""
+    if Backend(cfg.backend) is Backend.hf:
+        target = TargetModel.load(path, ids, convention, trust_remote_code=cfg.trust_remote_code)
+        return Measured(target.batch_features(rows, draft_ids=draft_ids), target.embed,
+                        target.model.get_input_embeddings().weight)
+    head = TargetHead(path)
+    with OfflineStates(cfg.vllm, path, convert_aux_layer_ids(ids, convention, OUTPUT_OF_LAYER),
+                       connector=cfg.vllm_connector, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                       max_length=cfg.max_length, log_path=staged.path / f"engine_{name}.log",
+                       spill=staged.path / f"engine_states_{name}") as states:
+        aux, last = states.batch_states(rows)
+        staged.update(**states.engine.provenance())
+    signals = None if draft_ids is None else TargetSignals.from_hidden(last, head.lm_head, draft_ids)
+    return Measured(TargetFeatures(aux_hidden=aux.float(), last_hidden=last.float(), signals=signals), head.embed,
+                    head.embedding.weight)
 
 
 def step0(drafter: Eagle3Drafter, embed, rows: dict, features: TargetFeatures, aux: torch.Tensor,
@@ -105,14 +143,27 @@ def run(cfg: DictConfig) -> StageResult:
     if remapped.vocab_map().draft_vocab_size != training_map.draft_vocab_size:
         raise RegraftError(cfg.drafter, "the drafter's draft vocab is not the training map's size",
                            "give diagnose the remap stage's output")
-    ids, convention = remapped.config.aux_layer_ids, remapped.config.aux_convention
     rows = tokenized_chats(load_tokenizer(cfg.target, cfg.trust_remote_code), Path(cfg.data), cfg.max_length)
     rows = {name: tensor[: cfg.max_rows] for name, tensor in rows.items()}
+    with staged_output(cfg.out, "diagnose", cfg) as staged:
+        report, realigned = diagnosed(cfg, remapped, training_map, rows, staged)
+        metrics = headline_metrics(report)
+        (staged.path / "diagnose.json").write_text(json.dumps(report, indent=2))
+        plot(report, staged.path / "diagnose.png")
+        if realigned is not None:
+            realigned.save(staged.path / "realigned", layout="sglang")
+        staged.update(metrics=metrics, headline=headline(report))
+    return StageResult(Path(cfg.out), metrics, headline(report))
+
+
+def diagnosed(cfg: DictConfig, remapped: Eagle3Drafter, training_map: VocabMap, rows: dict,
+              staged: StagedOutput) -> tuple[dict, Optional[Eagle3Drafter]]:
+    """The report (drift per layer, step-0 starts, the transfer gap) and the re-aligned drafter (None without A)."""
+    ids, convention = remapped.config.aux_layer_ids, remapped.config.aux_convention
     split = max(1, int(rows["input_ids"].shape[0] * cfg.fit_share))
     held = {name: tensor[split:] for name, tensor in rows.items()}
-    draft_ids = draft_vocab_ids(remapped)
-    b = TargetModel.load(cfg.target, ids, convention, trust_remote_code=cfg.trust_remote_code)
-    fb = b.batch_features(rows, draft_ids=draft_ids)
+    b = measured(cfg, cfg.target, ids, convention, rows, draft_vocab_ids(remapped), staged, "b")
+    fb = b.features
     held_b = TargetFeatures(aux_hidden=fb.aux_hidden[split:], signals=type(fb.signals)(
         fb.signals.argmax[split:], fb.signals.draft_logits[split:]))
     drafters = {"remap": remapped, "scratch": scratch_drafter(remapped, training_map, cfg.target, cfg.seed)}
@@ -121,21 +172,19 @@ def run(cfg: DictConfig) -> StageResult:
     report: dict = {"family": remapped.config.describe(), "layers": [], "step0": {}, "missing": []}
     realigned = None
     if cfg.target_a:
-        a = TargetModel.load(cfg.target_a, ids, convention, trust_remote_code=cfg.trust_remote_code)
-        fa = a.batch_features(rows)
+        a = measured(cfg, cfg.target_a, ids, convention, rows, None, staged, "a")
+        fa = a.features
         fitted = rows["attention_mask"][:split].bool()
         real = rows["attention_mask"].bool()
         layer_drift, _ = drift.measure(fa.aux_hidden[real], fb.aux_hidden[real], ids, ridge=cfg.ridge,
                                        fit_share=int(fitted.sum()) / int(real.sum()))
         _, maps = drift.measure(*(drift.as_maps_read(remapped, f.aux_hidden[:split][fitted]) for f in (fa, fb)), ids,
                                 ridge=cfg.ridge)
-        embed_map = drift.fit_embedding_map(a.model.get_input_embeddings().weight,
-                                            b.model.get_input_embeddings().weight, remapped.config.rms_norm_eps,
+        embed_map = drift.fit_embedding_map(a.embeddings, b.embeddings, remapped.config.rms_norm_eps,
                                             cfg.ridge) if cfg.realign_embeddings else None
         realigned = drafters["realign"] = drift.realigned(remapped, maps, embed_map)
         report["layers"] = [d.as_dict() for d in layer_drift]
-        on_a = step0(remapped, a.embed, held, held_b, fa.aux_hidden[split:], cfg)
-        report["remap_on_target_a"] = on_a
+        report["remap_on_target_a"] = step0(remapped, a.embed, held, held_b, fa.aux_hidden[split:], cfg)
     else:
         report["missing"] = ["per-layer drift (CKA, shift, R^2)", "realign", "transfer gap"]
     for name in INITS:
@@ -143,14 +192,7 @@ def run(cfg: DictConfig) -> StageResult:
             report["step0"][name] = step0(drafters[name], b.embed, held, held_b, held_b.aux_hidden, cfg)
     if "remap_on_target_a" in report:
         report["transfer_gap"] = report["step0"]["remap"]["loss"] - report["remap_on_target_a"]["loss"]
-    metrics = headline_metrics(report)
-    with staged_output(cfg.out, "diagnose", cfg) as staged:
-        (staged.path / "diagnose.json").write_text(json.dumps(report, indent=2))
-        plot(report, staged.path / "diagnose.png")
-        if realigned is not None:
-            realigned.save(staged.path / "realigned", layout="sglang")
-        staged.update(metrics=metrics, headline=headline(report))
-    return StageResult(Path(cfg.out), metrics, headline(report))
+    return report, realigned
 
 
 def headline_metrics(report: dict) -> dict[str, float]:

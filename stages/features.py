@@ -15,10 +15,9 @@ Timing in the metrics: `load_seconds` (the target's load; vllm: `import_seconds`
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -33,9 +32,8 @@ from stages.common.drafter.config import OUTPUT_OF_LAYER, aux_layer_ids_for, con
 from stages.common.contract.errors import RegraftError
 from stages.common.data.feature_shards import LastHidden, Layout, ShardWriter
 from stages.common.contract.stage import StageResult, stage_main
-from stages.common.drafter.target import FinalNorm, TargetModel
-from stages.common.engines.vllm_engine import VllmEngine
-from stages.common.engines.vllm_states import capture_settings, read_engine_states
+from stages.common.drafter.target import TargetModel
+from stages.common.engines.vllm_states import OfflineStates
 from stages.schemas.features import Backend, Mode
 
 
@@ -69,36 +67,18 @@ def hf_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], _staged: Sta
         yield batch, features.aux_hidden, features.last_hidden
 
 
-def vllm_capture(cfg: DictConfig, layer_ids: list[int], num_layers: int, spill: Path) -> dict[str, Any]:
-    """The engine's start settings for vLLM's `extract_hidden_states` method (stages/common/engines/vllm_states.py)."""
-    return {**capture_settings(layer_ids, num_layers, cfg.vllm_connector, spill),
-            "extra": {"enable_chunked_prefill": False, "max_model_len": cfg.vllm.max_model_len or cfg.max_length + 1}}
-
-
 def vllm_features(cfg: DictConfig, rows: Batch, layer_ids: list[int], staged: StagedOutput,
                   timing: dict[str, float]) -> Iterator[tuple[Batch, ...]]:
-    """The same rows through vLLM: each row's tokens (padding left out) as one prompt, prefill only; the final
-    state gets the target's final norm here, as the shards store it (logits = lm_head(last_hidden))."""
-    norm, out = FinalNorm.load(cfg.target), staged.path
-    spill = out / "engine_states"
-    with VllmEngine(cfg.vllm, out / "engine.log") as engine:
-        engine.start(cfg.target, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
-                     **vllm_capture(cfg, layer_ids, norm.num_layers, spill))
-        timing.update(import_seconds=engine.import_seconds, startup_seconds=engine.startup_seconds,
-                      load_seconds=engine.import_seconds + engine.startup_seconds)
-        staged.update(**engine.provenance())  # vLLM's own versions, not this venv's
+    """The same rows through vLLM's offline engine (stages/common/engines/vllm_states.py): each row's tokens (padding
+    left out) as one prompt, prefill only; the final state gets the target's final norm, as the shards store it
+    (logits = lm_head(last_hidden))."""
+    with OfflineStates(cfg.vllm, cfg.target, layer_ids, connector=cfg.vllm_connector, dtype=cfg.dtype,
+                       trust_remote_code=cfg.trust_remote_code, max_length=cfg.max_length,
+                       log_path=staged.path / "engine.log", spill=staged.path / "engine_states") as states:
+        timing.update(states.timing())
+        staged.update(**states.engine.provenance())  # vLLM's own versions, not this venv's
         for batch in batches(rows, cfg.batch_size):
-            lengths = batch["attention_mask"].sum(-1).tolist()
-            prompts = [ids[:length].tolist() for ids, length in zip(batch["input_ids"], lengths)]
-            paths = engine.hidden_states(prompts, spill)["paths"]
-            aux = torch.zeros(*batch["input_ids"].shape, len(layer_ids) * norm.hidden_size)
-            last = torch.zeros(*batch["input_ids"].shape, norm.hidden_size)
-            for row, (path, length) in enumerate(zip(paths, lengths)):
-                states = read_engine_states(Path(path), prompts[row])
-                aux[row, :length] = states[:, :-1].flatten(1)
-                last[row, :length] = norm(states[:, -1])
-            yield batch, aux, last
-    shutil.rmtree(spill, ignore_errors=True)
+            yield batch, *states.batch_states(batch)
 
 
 def extraction_rate(arrivals: list[tuple[float, int]]) -> dict[str, float]:
@@ -144,13 +124,15 @@ def run(cfg: DictConfig) -> StageResult:
     rows = {name: tensor[part] for name, tensor in rows.items()}
     count = rows["input_ids"].shape[0]
     with staged_output(cfg.out, "features", cfg) as staged:
-        writer = ShardWriter(staged.path, cfg.rows_per_shard, cfg.last_hidden, cfg.layout)
+        writer = ShardWriter(staged.path, cfg.rows_per_shard, cfg.last_hidden, cfg.layout,
+                             shard_bytes=int(cfg.shard_mb * 2 ** 20))
         produce = vllm_features if Backend(cfg.backend) is Backend.vllm else hf_features
+        dtype = getattr(torch, cfg.dtype)  # the target ran in it: stored as computed, never widened to float32
         timing: dict[str, float] = {}
         arrivals: list[tuple[float, int]] = []  # (when, real tokens) as each batch comes out of the target
         for batch, aux_hidden, last_hidden in produce(cfg, rows, layer_ids, staged, timing):
             arrivals.append((time.perf_counter(), int(batch["attention_mask"].sum())))
-            writer.add({**batch, "aux_hidden": aux_hidden, "last_hidden": last_hidden})
+            writer.add({**batch, "aux_hidden": aux_hidden.to(dtype), "last_hidden": last_hidden.to(dtype)})
         stored = writer.close()
         metrics = {"rows": count, "tokens": int(rows["attention_mask"].sum()), **stored.metrics(), **timing,
                    **extraction_rate(arrivals)}

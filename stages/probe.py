@@ -32,103 +32,33 @@ from __future__ import annotations
 
 import csv
 import json
-import random
 import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from stages.common.contract.artifacts import StagedOutput, staged_output
-from stages.common.data.chat import load_tokenizer, read_conversations
+from stages.common.data.chat import load_tokenizer
 from stages.common.data.chat_prompts import prompt_ids, stop_ids
 from stages.common.contract.stage import StageResult, stage_main
+from stages.common.drafter.acceptance import (WARM_UP, accept_length, asked_turns, chat_renderer,
+                                              load_eval_sets, per_set)
 from stages.common.drafter.checkpoint import DrafterCheckpoint
 from stages.common.drafter.config import check_drafter_fits_target, parse_config, target_config
 from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.common.contract.errors import RegraftError
-from stages.common.engines.sglang_backend import accept_length, aux_convention_warning, run_sglang
+from stages.common.engines.sglang_backend import aux_convention_warning, run_sglang
 from stages.common.drafter.spec_decode import SpeculativeDecoder, greedy_generate
 from stages.common.drafter.target import TargetModel
 from stages.common.engines.vllm_engine import VllmEngine, served_drafter
 from stages.schemas.probe import Backend, check_probe
-
-BUILTIN_PROMPTS = [
-    ["What does `os.path.join` do?"],
-    ["Explain `json.dumps` from the json module."],
-    ["How do I use `random.choice`?", "And what does it raise on an empty sequence?"],
-    ["What does `re.sub` do?"],
-    ["Explain `string.Template` from the string module."],
-    ["How do I use `textwrap.dedent`?"],
-    ["What does `shutil.copytree` do?", "How is it different from `shutil.copy2`?"],
-    ["Explain `statistics.median` from the statistics module."],
-]
 
 
 def drafter_dir(path: str | Path) -> Path:
     """A finetune stage output holds its export in drafter/; anything else is the checkpoint itself."""
     path = Path(path)
     return path / "drafter" if (path / "drafter" / "config.json").exists() else path
-
-
-def load_prompts(source: str, count: int, seed: int) -> list[list[str]]:
-    """Conversations as lists of user turns, picked by a seeded shuffle."""
-    if source == "builtin":
-        conversations = [list(turns) for turns in BUILTIN_PROMPTS]
-    else:
-        conversations = [[m["content"] for m in messages if m["role"] == "user"]
-                         for messages in read_conversations(Path(source))]
-        conversations = [turns for turns in conversations if turns]
-    if not conversations:
-        raise RegraftError(source, "no user turns to ask", "give eval_sets chats with at least one user message")
-    random.Random(seed).shuffle(conversations)
-    return conversations[:count]
-
-
-def load_eval_sets(eval_sets: list, count: int, seed: int) -> tuple[list[list[str]], list[str]]:
-    """Every set's conversations, one after another, and the set each one is from."""
-    conversations, sets = [], []
-    for entry in eval_sets:
-        picked = load_prompts(str(entry.path), count, seed)
-        conversations += picked
-        sets += [entry.name] * len(picked)
-    return conversations, sets
-
-
-def per_set(rows: list[dict], sets: list[str]) -> dict[str, float]:
-    """accept_len, completed tokens and turns of each set (`accept_len/<set>`, ...); rows gain their `set`."""
-    for row in rows:
-        row["set"] = sets[row["conversation"]]
-    metrics: dict[str, float] = {}
-    for name in dict.fromkeys(sets):
-        mine = [row for row in rows if row["set"] == name]
-        metrics.update({f"accept_len/{name}": accept_length(mine),
-                        f"completion_tokens/{name}": sum(row["completion_tokens"] for row in mine),
-                        f"turns/{name}": len(mine)})
-    return metrics
-
-
-def chat_renderer(tokenizer):
-    def render(messages: list[dict]) -> str:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-    return render
-
-
-WARM_UP = [{"role": "user", "content": "hi"}]
-
-
-def asked_turns(conversations: list[list[str]], tokenizer, desc: str) -> Iterator[tuple[int, int, list[int], list]]:
-    """(conversation, turn, prompt ids, messages) for every user turn in order, on the conversation so far; the
-    caller appends its answer to `messages` before the next turn is rendered."""
-    turns = [(c, t) for c, conversation in enumerate(conversations) for t in range(len(conversation))]
-    messages: list[dict] = []
-    for c, t in tqdm(turns, desc=desc, unit="turn"):
-        messages = [] if t == 0 else messages
-        messages.append({"role": "user", "content": conversations[c][t]})
-        yield c, t, prompt_ids(tokenizer, messages), messages
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

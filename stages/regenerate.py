@@ -38,6 +38,7 @@ output is complete. A rejected sample is finished too: delete the work folder to
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -47,7 +48,7 @@ from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -59,8 +60,11 @@ from stages.common.data.parts import part_manifests, part_slice
 from stages.common.contract.errors import RegraftError
 from stages.common.engines.openai_client import Refused, chat_completion, served_models
 from stages.common.contract.stage import StageResult, stage_main
-from stages.common.engines.vllm_engine import VllmEngine
-from stages.schemas.regenerate import Engine, check_regenerate
+from stages.common.contract.runtime import free_port
+from stages.common.engines.engine_process import HOST, ServerProcess, start_timeout
+from stages.common.engines.sglang_backend import client_url, launch_command
+from stages.common.engines.vllm_engine import VllmEngine, server_command, server_env
+from stages.schemas.regenerate import Engine, Serve, check_regenerate, started_here
 
 WORK_FILE, SETTINGS_FILE = "samples.jsonl", "settings.json"
 ID_DIGITS = 16
@@ -240,12 +244,11 @@ def converse(asking: Asking, sample: Sample) -> dict:
     return answered(sample, answers, tokens)
 
 
-def ask_openai(cfg: DictConfig, samples: list[Sample], model: str, log: WorkLog, progress: tqdm) -> None:
+def ask_openai(cfg: DictConfig, url: str, samples: list[Sample], model: str, log: WorkLog, progress: tqdm) -> None:
     """`concurrency` samples in flight (twice that queued); each finished one goes to the work log at once."""
     body = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
             **plain_config(cfg.extra_body)}
-    asking = Asking(cfg.server_url.rstrip("/"), body, cfg.seed, cfg.request_timeout_s, cfg.retries,
-                    cfg.api_key_env)
+    asking = Asking(url, body, cfg.seed, cfg.request_timeout_s, cfg.retries, cfg.api_key_env)
     queue = iter(samples)
     with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
         running: set = set()
@@ -262,6 +265,38 @@ def ask_openai(cfg: DictConfig, samples: list[Sample], model: str, log: WorkLog,
             for future in running:
                 future.cancel()
             raise
+
+
+@contextlib.contextmanager
+def openai_server(cfg: DictConfig, folder: Path) -> Iterator[str]:
+    """The URL to ask: `server_url` (a server on another node), or the server `serve` names, started here on the
+    target (its log `server.log` in `folder`) and stopped when the block ends, so it holds the node's GPUs only while
+    the stage runs."""
+    if cfg.server_url:
+        yield cfg.server_url.rstrip("/")
+        return
+    with started_server(cfg, folder / "server.log") as server:
+        yield server.url
+
+
+def started_server(cfg: DictConfig, log_path: Path) -> ServerProcess:
+    """`serve`'s server on the target, with its engine's settings and the stage's trust_remote_code; its start
+    timeout scaled with the checkpoint unless set."""
+    target = str(Path(cfg.target).absolute())
+    if Serve(cfg.serve) is Serve.sglang:
+        port = cfg.sglang.port or free_port(cfg.sglang.host)
+        command = launch_command(cfg.sglang, target, port) + (["--trust-remote-code"] if cfg.trust_remote_code else [])
+        return ServerProcess("SGLang server", command, client_url(cfg.sglang.host, port), log_path,
+                             settings="regenerate.sglang",
+                             startup_timeout_s=start_timeout(cfg.sglang.startup_timeout_s, target),
+                             request_timeout_s=cfg.request_timeout_s, stop_grace_s=cfg.sglang.stop_grace_s)
+    port = free_port(HOST)
+    command = server_command(cfg.vllm, target, dtype=cfg.dtype, host=HOST, port=port,
+                             max_model_len=cfg.vllm.max_model_len, trust_remote_code=cfg.trust_remote_code)
+    return ServerProcess("vLLM server", command, f"http://{HOST}:{port}", log_path, settings="regenerate.vllm",
+                         startup_timeout_s=start_timeout(cfg.vllm.startup_timeout_s, target),
+                         request_timeout_s=cfg.request_timeout_s, stop_grace_s=cfg.vllm.stop_grace_s,
+                         env=server_env(cfg.vllm))
 
 
 # --- engine=vllm ----------------------------------------------------------------------------------------------------
@@ -383,34 +418,39 @@ def run(cfg: DictConfig) -> StageResult:
     if cfg.part_outputs:
         return join_parts(cfg)
     engine = Engine(cfg.engine)
-    if engine is Engine.vllm and not cfg.target:
-        raise RegraftError("target", "engine=vllm needs the target model", "set target= to the model folder")
+    serve = started_here(cfg)
+    if (engine is Engine.vllm or serve) and not cfg.target:
+        what = f"serve={serve.value}" if serve else "engine=vllm"
+        raise RegraftError("target", f"{what} needs the target model", "set target= to the model folder")
     # ids are taken over the whole file first, so a sample keeps its id (and its seed) whichever part asks it
     samples = read_samples(Path(cfg.data), cfg.num_samples)
     samples = samples[part_slice(len(samples), cfg.part, cfg.parts, "regenerate", "samples")]
-    model = server_model(cfg, cfg.server_url.rstrip("/")) if engine is Engine.openai \
-        else str(Path(cfg.target).absolute())
     work_dir = f"{cfg.work_dir}.part{cfg.part}" if cfg.work_dir and cfg.part is not None else cfg.work_dir
-    log = WorkLog(Path(work_dir or f"{cfg.out}.work"), settings(cfg, model))
-    resumed = sum(sample.id in log.records for sample in samples)
+    folder = Path(work_dir or f"{cfg.out}.work")
+    folder.mkdir(parents=True, exist_ok=True)
     start, engine_run = time.perf_counter(), {}  # the engine's interpreter and versions, when one ran
-    try:
-        pending = [sample for sample in samples if sample.id not in log.records]
-        log.append(rejected(sample, sample.problem) for sample in pending if sample.problem)
-        pending = [sample for sample in pending if not sample.problem]
-        with tqdm(total=len(samples), initial=len(samples) - len(pending), desc="regenerate", unit="sample",
-                  mininterval=1.0) as progress:
-            if engine is Engine.openai:
-                ask_openai(cfg, pending, model, log, progress)
-            elif pending:
-                engine_run = ask_vllm(cfg, pending, log, progress)
-    finally:
-        log.close()
+    with openai_server(cfg, folder) if engine is Engine.openai else contextlib.nullcontext() as url:
+        model = server_model(cfg, url) if url else str(Path(cfg.target).absolute())
+        log = WorkLog(folder, settings(cfg, model))
+        resumed = sum(sample.id in log.records for sample in samples)
+        try:
+            pending = [sample for sample in samples if sample.id not in log.records]
+            log.append(rejected(sample, sample.problem) for sample in pending if sample.problem)
+            pending = [sample for sample in pending if not sample.problem]
+            with tqdm(total=len(samples), initial=len(samples) - len(pending), desc="regenerate", unit="sample",
+                      mininterval=1.0) as progress:
+                if url:
+                    ask_openai(cfg, url, pending, model, log, progress)
+                elif pending:
+                    engine_run = ask_vllm(cfg, pending, log, progress)
+        finally:
+            log.close()
     seconds = time.perf_counter() - start
     with staged_output(cfg.out, "regenerate", cfg) as staged:
         metrics = {**write_outputs(samples, log.records, staged.path), "seconds": seconds, "resumed": resumed}
-        if (log.folder / "engine.log").exists():
-            shutil.copy(log.folder / "engine.log", staged.path / "engine.log")
+        for name in ("engine.log", "server.log"):  # vllm's engine, or the server serve started
+            if (log.folder / name).exists():
+                shutil.copy(log.folder / name, staged.path / name)
         headline = (f"{metrics['answered']} of {metrics['samples']} samples answered by {model} "
                     f"({metrics['rejected']} rejected), {metrics['tokens']} tokens")
         staged.update(metrics=metrics, headline=headline, model=model, part=cfg.part, **engine_run,

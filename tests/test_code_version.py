@@ -116,7 +116,7 @@ def test_editing_a_module_changes_exactly_the_keys_of_the_stages_that_run_it(cop
         source.write("\n# an edit\n")
     after = versions()
     assert {stage for stage in STAGES if before[stage] != after[stage]} == runs_it
-    expected = {"stages/common/drafter/spec_decode.py": {"probe"},
+    expected = {"stages/common/drafter/spec_decode.py": {"probe", "finetune"},  # finetune: eval_every
                 "stages/common/drafter/ttt.py": {"diagnose", "finetune"},
                 "stages/world/toy.py": {"world"}, "stages/finetune/guard.py": {"finetune"},
                 "stages/common/contract/errors.py": set(STAGES)}

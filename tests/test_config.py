@@ -66,6 +66,19 @@ def test_what_one_stage_takes_from_another_follows_it():
     assert (real.finetune.lr, real.finetune.log_every, real.features.max_length) == (1e-4, 10, 2048)
 
 
+def test_diagnose_runs_the_targets_where_and_as_the_features_stage_does():
+    plain = compose_root([])
+    assert plain.diagnose.backend.value == "hf" and plain.diagnose.dtype == "float32"
+    engine = compose_root(["features.backend=vllm", "features.vllm.tensor_parallel_size=2", "features.dtype=bfloat16"])
+    assert (engine.diagnose.backend.value, engine.diagnose.vllm.tensor_parallel_size, engine.diagnose.dtype) == \
+        ("vllm", 2, "bfloat16")
+    real = compose_root(["experiment=kimi_k25"])  # a 1T target: never in transformers
+    assert (real.diagnose.backend.value, real.diagnose.vllm_connector, real.diagnose.vllm.python) == \
+        ("vllm", "stock", real.features.vllm.python)
+    parted = compose_root(["experiment=kimi_k25", "diagnose.vllm.tensor_parallel_size=4"])
+    assert (parted.diagnose.vllm.tensor_parallel_size, parted.features.vllm.tensor_parallel_size) == (4, 8)
+
+
 def test_deepspeed_presets_set_the_finetune_engine():
     assert compose_root(["deepspeed=zero3"]).finetune.deepspeed.zero_stage == 3
     assert compose_root([]).finetune.deepspeed.zero_stage == 0

@@ -72,6 +72,10 @@ def test_trusting_the_targets_code_reaches_every_stage_that_loads_it():
         assert {node.name for node in new_target if node.config.get("trust_remote_code") is trusted} == loads_target
     assert {node.name for node in nodes_for("experiment=kimi_k25") if node.config.get("trust_remote_code")} \
         == loads_target | {"regenerate"}  # the real case regenerates its data (its tokenizer is Kimi's code)
+    for trusted in (False, True):  # and an online fine-tune's server runs the target as the stage does
+        online = {node.name: node for node in nodes_for(f"target.trust_remote_code={str(trusted).lower()}",
+                                                         "features.mode=online")}
+        assert online["finetune"].config.engine.trust_remote_code is trusted
 
 
 def test_regenerate_is_off_by_default_and_when_on_feeds_everything_that_trains():

@@ -15,6 +15,7 @@ from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.common.drafter.target import TargetModel
 from stages.common.drafter.ttt import draft_vocab_ids, ttt_forward
 from stages.world.toy import rotate_residual_stream
+from tests.servers import needs_engine
 
 
 def test_cka_and_ridge_on_known_answers():
@@ -117,3 +118,51 @@ def test_diagnose_defaults_to_the_ridge_the_library_uses():
     from stages.schemas.diagnose import DiagnoseConfig
 
     assert next(f.default for f in dataclasses.fields(DiagnoseConfig) if f.name == "ridge") == drift.RIDGE
+
+
+@pytest.fixture(scope="module")
+def engine_rotated(engine_target, tmp_path_factory):
+    """conftest's engine target (heads vLLM's CPU attention takes) with its residual stream rotated: target B."""
+    model = AutoModelForCausalLM.from_pretrained(engine_target, torch_dtype=torch.float32)
+    rotate_residual_stream(model, dose=0.5, seed=3)
+    out = tmp_path_factory.mktemp("drift") / "engine_rotated"
+    model.save_pretrained(out)
+    load_tokenizer(engine_target).save_pretrained(out)
+    return out
+
+
+# Both paths run the targets in float32 with different kernels (vLLM's CPU attention and fused norms against
+# transformers' eager ones): the states differ by ~1e-6 relative (tests/test_features_vllm.py), and every figure
+# diagnose derives from them (CKA, R^2, step-0 losses and accuracies, the transfer gap) stays within DIAGNOSE_RTOL:
+# measured here (AMD EPYC, 2 cores) at most 1.6e-7 relative over the 14 figures.
+DIAGNOSE_RTOL, DIAGNOSE_ATOL = 1e-5, 1e-7
+
+
+@needs_engine
+def test_diagnose_on_vllm_gives_the_numbers_of_the_hf_path(engine_target, engine_rotated, engine_scratch_run, chats,
+                                                          training_map, tmp_path):
+    from stages import diagnose
+    from stages.common.contract.artifacts import read_manifest
+    from stages.common.contract.stage import compose_stage
+
+    common = [f"drafter={engine_scratch_run[0] / 'drafter'}", f"target={engine_rotated}", f"target_a={engine_target}",
+              f"data={chats}", f"vocab_map={training_map}", "max_length=48", "max_rows=48"]
+    hf = diagnose.run(compose_stage("diagnose", common + [f"out={tmp_path / 'hf'}"]))
+    vllm = diagnose.run(compose_stage("diagnose", common + [f"out={tmp_path / 'vllm'}", "backend=vllm"]))
+    assert vllm.metrics.keys() == hf.metrics.keys() and "transfer_gap" in hf.metrics
+    worst = max(abs(vllm.metrics[key] - value) / max(abs(value), 1e-12) for key, value in hf.metrics.items())
+    print(f"diagnose, vLLM vs hf: largest relative difference {worst:.2e} over {len(hf.metrics)} figures")
+    for key, value in hf.metrics.items():
+        assert vllm.metrics[key] == pytest.approx(value, rel=DIAGNOSE_RTOL, abs=DIAGNOSE_ATOL), key
+    manifest = read_manifest(tmp_path / "vllm")
+    assert "vllm" in manifest["engine_versions"] and {"engine_a.log", "engine_b.log"} <= set(manifest["files"])
+    assert not list((tmp_path / "vllm").glob("engine_states_*"))  # the connector's files are spent
+
+
+def test_diagnose_holds_the_engines_gpus_only_on_vllm():
+    from stages.schemas.diagnose import holds
+
+    engine = {"backend": "vllm", "vllm": {"tensor_parallel_size": 8}}
+    assert holds(engine, node_gpus=8).gpus == 8 and holds(engine, node_gpus=8).server == "vLLM, tensor-parallel 8"
+    assert holds(engine, node_gpus=0).gpus == 0  # a CPU node: the engine computes on the CPU
+    assert holds({**engine, "backend": "hf"}, node_gpus=8).gpus == 0

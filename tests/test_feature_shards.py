@@ -19,11 +19,13 @@ from stages.common.contract.errors import RegraftError
 from stages.common.data.feature_shards import (LastHidden, Layout, ShardWriter, final_state_positions,
                                                load_features, open_features, shard_path, stored_positions,
                                                write_shard)
-from stages.common.contract.stage import compose_stage
+from stages.common.contract.stage import check_config, compose_stage
 from stages.common.drafter.target import TargetHead
+from stages.common.drafter.tensor_io import read_header
 from stages.common.drafter.ttt import LossMask, loss_gates
 from stages.common.drafter.vocab import load_vocab_map
 from stages.finetune.loop import micro_batches, run_ttt, split
+from stages.schemas.features import FeaturesConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2 ** 20
@@ -141,6 +143,49 @@ def test_loss_masked_shards_store_only_the_kept_final_states(tmp_path):
     assert saved - overhead < full["bytes"] - masked["bytes"] < saved
 
 
+def test_a_shard_takes_as_many_rows_as_its_byte_budget_holds_and_reads_back_unchanged(tmp_path):
+    """Rows wait padded (every row the same bytes); a shard is flushed once the budget's rows are in, so what waits
+    never passes it; rows_per_shard still caps a shard where the budget would allow more; a budget under one row
+    makes one-row shards. The reader sees the same rows whatever the shards hold."""
+    rows = random_rows(23, 12, 8, seed=5, ragged=True)
+    row_bytes = sum(tensor[0].numel() * tensor.element_size() for tensor in rows.values())
+    cases = {"budget": (100, int(3.5 * row_bytes), [3] * 7 + [2]), "rows": (4, 10 * row_bytes, [4] * 5 + [3]),
+             "under_one_row": (100, row_bytes // 2, [1] * 23)}
+    for name, (rows_per_shard, budget, sizes) in cases.items():
+        out = tmp_path / name
+        out.mkdir()
+        writer = ShardWriter(out, rows_per_shard, "all", "ragged", shard_bytes=budget)
+        waited = []
+        for start in range(0, 23, 5):
+            writer.add({key: tensor[start:start + 5] for key, tensor in rows.items()})
+            waited.append(writer.pending_rows())
+        metrics = writer.close().metrics()
+        assert max(waited) * row_bytes <= max(budget, row_bytes), name
+        assert [rows_of(path) for path in sorted(out.glob("features-*.safetensors"))] == sizes, name
+        write_json_atomic(out / "manifest.json", {"stage": "features", "complete": True, "aux_layer_ids": [1, 2, 3],
+                                                  "max_length": 12, "last_hidden": "all", "layout": "ragged",
+                                                  "metrics": metrics})
+        taken = open_features(out, [1, 2, 3], 12).take(torch.arange(23))
+        for key, tensor in as_read(rows, "ragged", "all").items():
+            assert torch.equal(taken[key], tensor), (name, key)
+
+
+def rows_of(shard: Path) -> int:
+    return read_header(shard)["lengths"].shape[0]
+
+
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
+def test_bfloat16_states_cost_half_the_bytes_per_token_and_read_back_as_stored(tmp_path, layout):
+    rows = random_rows(10, 12, 8, seed=6, ragged=True)
+    half = {**rows, **{name: rows[name].to(torch.bfloat16) for name in ("aux_hidden", "last_hidden")}}
+    full = write_features(tmp_path / "fp32", rows, 4, "all", layout=layout)
+    bf16 = write_features(tmp_path / "bf16", half, 4, "all", layout=layout)
+    assert (full["bytes_per_token"], bf16["bytes_per_token"]) == (4 * 8 * 4, 4 * 8 * 2)
+    taken = open_features(tmp_path / "bf16", [1, 2, 3], 12).take(torch.arange(10))
+    for name, tensor in as_read(half, layout, "all").items():
+        assert taken[name].dtype == tensor.dtype and torch.equal(taken[name], tensor), name
+
+
 def test_opening_checks_the_manifest_and_the_shards(tmp_path):
     rows = random_rows(4, 12, 8, seed=2)
     write_features(tmp_path / "f", rows, 4, "loss_masked")
@@ -151,6 +196,17 @@ def test_opening_checks_the_manifest_and_the_shards(tmp_path):
     write_shard(shard_path(tmp_path / "f", 0), rows)  # a last_hidden=all shard where the manifest says loss_masked
     with pytest.raises(RegraftError, match="a layout=ragged last_hidden=loss_masked shard holds"):
         open_features(tmp_path / "f", [1, 2, 3], 12)
+
+
+def test_the_stage_stores_the_states_in_the_dtype_the_target_ran_in(trained_target, chats, tmp_path):
+    hidden = json.loads((trained_target / "config.json").read_text())["hidden_size"]
+    common = [f"target={trained_target}", f"data={chats}", "max_length=48"]
+    for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
+        result = features.run(compose_stage("features", common + [f"out={tmp_path / dtype}", f"dtype={dtype}"]))
+        assert result.metrics["bytes_per_token"] == 4 * hidden * itemsize, dtype
+    cfg = compose_stage("features", common + [f"out={tmp_path / 'auto'}", "dtype=auto"])
+    with pytest.raises(RegraftError, match=r"^dtype=auto: is not a dtype .* \(fix: set dtype= to one of float32, "):
+        check_config(cfg, FeaturesConfig, "")
 
 
 STORAGES = [(layout, mode) for layout in Layout for mode in LastHidden]  # ragged/all first: the defaults
@@ -214,7 +270,7 @@ RSS_LENGTH, RSS_BATCH = 128, 128  # tokens per row, rows per micro-batch
 PEAK_RSS_RUNNER = """
 import json, os, sys, traceback
 from stages import finetune
-from stages.common.contract.stage import compose_stage
+from stages.common.contract.stage import check_config, compose_stage
 finetune.use_built_cpu_ops()
 import deepspeed  # noqa: F401
 peaks = []

@@ -14,6 +14,8 @@ from stages import features, finetune
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import compose_stage
 from stages.common.drafter.eagle3 import Eagle3Drafter
+from stages.common.engines.vllm_engine import EngineFeaturesConfig
+from stages.common.engines.vllm_states import serve_command
 from tests.servers import needs_engine
 from tests.test_finetune import read_metrics
 
@@ -72,3 +74,10 @@ def test_a_server_that_is_not_there_stops_the_finetune_with_one_line(engine_targ
     with pytest.raises(RegraftError, match=r"^http://127.0.0.1:9: no healthy vLLM server answers GET /health"):
         finetune.run(cfg)
     assert not (tmp_path / "ft").exists()
+
+
+def test_the_server_runs_the_targets_code_only_when_the_stage_trusts_it(target_dir, tmp_path):
+    for trusted in (False, True):
+        command = serve_command(EngineFeaturesConfig(trust_remote_code=trusted), str(target_dir), [0, 1, 2], 48,
+                                tmp_path, 8000)
+        assert ("--trust-remote-code" in command) is trusted

@@ -103,7 +103,7 @@ def test_deepspeed_is_given_the_gpus_the_job_was_given(monkeypatch):
 
 
 def test_live_bytes_counts_storages_while_they_live():
-    from stages.finetune.memory import LiveBytes
+    from stages.common.drafter.memory import LiveBytes
 
     with LiveBytes() as tracked:
         first = torch.empty(1000, dtype=torch.float32, device=META)  # 4,000 bytes
@@ -121,7 +121,7 @@ def test_the_kimi_fine_tune_fits_a_b200_and_a_long_one_does_not(family):
     efficient attention keeps no [T, T] scores): 4x the tokens cost under 4x the bytes, where quadratic scores
     would cost ~16x."""
     from bench.memory import B200_GB, kimi_drafter
-    from stages.finetune.memory import fine_tune_memory
+    from stages.common.drafter.memory import fine_tune_memory
 
     b200 = B200_GB * 1e9
     config = kimi_drafter(family)

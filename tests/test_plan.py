@@ -125,7 +125,7 @@ def test_a_plan_on_a_gpu_costs_the_same_flops_at_the_gpus_rate(ran):
 
 
 def test_a_plan_on_a_gpu_checks_each_fine_tunes_rank_memory_against_it(ran):
-    """Priced on a GPU, a fine-tune that would run has its rank's peak estimated (stages/finetune/memory.py) and
+    """Priced on a GPU, a fine-tune that would run has its rank's peak estimated (stages/common/drafter/memory.py) and
     held against one GPU's memory: the tiny drafter fits a B200; on a GPU of 1 MB the plan lists it as a problem."""
     again = ["finetune.micro_batch_size=2"]  # the fine-tunes would run again; what they read is there
     fits = regraft(ran, *TINY, *again, "pipeline.plan=true", "plan.device=b200")

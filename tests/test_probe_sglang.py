@@ -14,8 +14,10 @@ import pytest
 from stages.common.drafter.config import INPUT_OF_LAYER, OUTPUT_OF_LAYER, DrafterConfig, render_config
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.runtime import free_port
-from stages.common.engines.sglang_backend import (SglangConfig, SglangServer, accept_length, aux_convention_warning,
-                                          drafter_convention, engine_reading, generate, run_sglang, server_command)
+from stages.common.drafter.acceptance import accept_length
+from stages.common.engines.engine_process import LOAD_BYTES_PER_S, START_FLOOR_S, start_timeout
+from stages.common.engines.sglang_backend import (SglangConfig, SglangServer, aux_convention_warning, drafter_convention,
+                                                  engine_reading, generate, run_sglang, server_command)
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -89,6 +91,21 @@ def test_server_command_adds_mem_fraction_only_when_set_and_extras_last():
     assert server_command(cfg, "t", "d", 5, 8, 32, 1234)[-7:] == [
         "--port", "1234", "--mem-fraction-static", "0.8", "--trust-remote-code", "--dtype", "bfloat16"]
     assert "--mem-fraction-static" not in server_command(SglangConfig(), "t", "d", 5, 8, 32, 1234)
+
+
+def test_the_start_timeout_scales_with_the_checkpoints_a_server_loads_unless_it_is_given(tmp_path):
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    for folder, size in ((target, 3 * 10 ** 9), (drafter, 10 ** 9)):
+        folder.mkdir()
+        with (folder / "model-00001.safetensors").open("wb") as weights:
+            weights.truncate(size)  # sparse: the size is what counts
+    scaled = START_FLOOR_S + 4 * 10 ** 9 / LOAD_BYTES_PER_S
+    assert start_timeout(None, target, drafter) == scaled
+    assert start_timeout(None, tmp_path / "missing", None) == START_FLOOR_S  # nothing to read: the floor
+    assert start_timeout(60.0, target, drafter) == 60.0
+    command = server_command(SglangConfig(), str(target), str(drafter), 3, 1, 4, 1234)
+    assert SglangServer(SglangConfig(), command, tmp_path / "log").startup_timeout_s == scaled
+    assert SglangServer(SglangConfig(startup_timeout_s=60.0), command, tmp_path / "log").startup_timeout_s == 60.0
 
 
 # ------------------------------------------------------------------------------------ a probe against the stand-in

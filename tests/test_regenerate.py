@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,10 +17,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from stages import regenerate
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import compose_stage
+from stages.schemas.regenerate import holds
 from tests.servers import HOST, MAX_MODEL_LEN, REPO, needs_engine, reply, vllm_server
 
 MAX_TOKENS = 24
@@ -254,6 +257,73 @@ def test_turns_split_at_each_user_message_and_keep_system_messages_in_place():
     assert [m["content"] for m in record["messages"]] == ["s", "u1", "n1", "s2", "u2", "n2"]
 
 
+@needs_engine
+def test_a_server_the_stage_starts_answers_as_one_at_a_url_and_is_stopped_after(engine_target, data, uninterrupted,
+                                                                               tmp_path, monkeypatch):
+    """serve=vllm: the stage starts vLLM's OpenAI server on the target (as the module's server runs it: float32,
+    its model length, torch's own threads), asks it, keeps its log and stops its process group."""
+    started = []
+
+    def recorded(cfg, log_path):
+        started.append(server := real(cfg, log_path))
+        return server
+
+    real = regenerate.started_server
+    monkeypatch.setattr(regenerate, "started_server", recorded)
+    out = tmp_path / "out"
+    regenerate.run(stage_cfg(data, out, "engine=openai", "serve=vllm", f"target={engine_target}", "concurrency=4",
+                             "dtype=float32", f"vllm.max_model_len={MAX_MODEL_LEN}", "vllm.threads=null"))
+    assert answers(out) == answers(uninterrupted)  # temperature 0: the same server asked the same
+    assert (out / "server.log").stat().st_size > 0 and not Path(f"{out}.work").exists()
+    (server,) = started
+    assert server.process is None and "--trust-remote-code" not in server.command
+
+
+def test_the_server_the_stage_starts_runs_the_targets_code_when_trusted_and_holds_the_gpus(tmp_path):
+    for serve, server, tp in (("sglang", "SGLang", "sglang.tp=8"), ("vllm", "vLLM", "vllm.tensor_parallel_size=8")):
+        for trusted in (False, True):
+            cfg = stage_cfg(tmp_path / "chats.jsonl", tmp_path / "out", "engine=openai", f"serve={serve}", tp,
+                            f"target={tmp_path}", f"trust_remote_code={str(trusted).lower()}")
+            command = regenerate.started_server(cfg, tmp_path / "server.log").command
+            assert ("--trust-remote-code" in command) is trusted, (serve, trusted)
+        held = holds(cfg, node_gpus=8)
+        assert (held.gpus, held.server) == (8, f"{server}, tensor-parallel 8")
+        assert holds(cfg, node_gpus=0).gpus == 0  # a CPU node
+        elsewhere = stage_cfg(tmp_path / "chats.jsonl", tmp_path / "out", "engine=openai", f"serve={serve}", tp,
+                              "server_url=http://192.0.2.1:30000")
+        assert holds(elsewhere, node_gpus=8).gpus == 0  # a server at a URL: none started here
+    assert holds(stage_cfg(tmp_path / "chats.jsonl", tmp_path / "out", "vllm.tensor_parallel_size=4"), 8).gpus == 4
+
+
+def test_a_given_server_on_this_gpu_node_is_refused_before_any_work(tmp_path, monkeypatch):
+    from stages.schemas import regenerate as schema
+
+    def check(url: str) -> None:
+        cfg = stage_cfg(tmp_path / "chats.jsonl", tmp_path / "out", "engine=openai", f"server_url={url}")
+        schema.check_before_work(OmegaConf.to_container(cfg), "regenerate")
+
+    check("http://127.0.0.1:30000")  # no GPU here: nothing of the pipeline's would start beside it
+    monkeypatch.setattr(schema, "gpu_visible", lambda: True)
+    for url in ("http://127.0.0.1:30000", "http://localhost:30000", f"http://{socket.gethostname()}:30000"):
+        with pytest.raises(RegraftError, match=r"^regenerate.server_url=.*: is a server on this GPU node, .* \(fix: "
+                                               r"unset regenerate.server_url and set regenerate.serve=sglang"):
+            check(url)
+    check("http://192.0.2.1:30000")  # another node's
+
+
+def test_a_server_the_stage_would_start_needs_its_interpreter_here(tmp_path):
+    from stages.schemas.regenerate import check_before_work
+
+    def check(python: str) -> None:
+        cfg = stage_cfg(tmp_path / "chats.jsonl", tmp_path / "out", "engine=openai", "serve=sglang",
+                        f"sglang.python={python}")
+        check_before_work(OmegaConf.to_container(cfg), "regenerate")
+
+    check(sys.executable)
+    with pytest.raises(RegraftError, match=r"^regenerate.sglang.python=/no/such/python: no such interpreter here"):
+        check("/no/such/python")
+
+
 def test_the_work_file_survives_a_torn_line_and_refuses_other_settings(tmp_path):
     settings = {"model": "m", "temperature": 0.0}
     log = regenerate.WorkLog(tmp_path / "work", settings)
@@ -271,8 +341,10 @@ def test_the_work_file_survives_a_torn_line_and_refuses_other_settings(tmp_path)
 
 
 def test_config_rules(tmp_path):
-    with pytest.raises(RegraftError, match="server_url: engine=openai needs a server"):
+    with pytest.raises(RegraftError, match="server_url: engine=openai needs a server .* or serve=sglang"):
         regenerate.run(stage_cfg(tmp_path / "none.jsonl", tmp_path / "out", "engine=openai"))
+    with pytest.raises(RegraftError, match="target: serve=vllm needs the target model"):
+        regenerate.run(stage_cfg(tmp_path / "none.jsonl", tmp_path / "out", "engine=openai", "serve=vllm"))
     with pytest.raises(RegraftError, match="extra_body: is sent to servers only"):
         regenerate.run(stage_cfg(tmp_path / "none.jsonl", tmp_path / "out", "+extra_body.top_k=5"))
     with pytest.raises(RegraftError, match="target: engine=vllm needs the target model"):

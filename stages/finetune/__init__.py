@@ -15,6 +15,7 @@ The preflight guard is `guard.py`, the training loop `loop.py`.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,9 +41,10 @@ from stages.common.drafter.verifier import Verifier
 from stages.common.drafter.vocab import VocabMap, load_vocab_map
 from stages.common.contract.hardware import Device
 from stages.finetune.device import deepspeed_devices, node_states_server, training_device
+from stages.finetune.acceptance import EVAL
 from stages.finetune.guard import PREFLIGHT, checked_once
 from stages.finetune.loop import MetricsLog, Preempted, Progress, split, train, uses_bf16
-from stages.schemas.finetune import FinetuneConfig, Init, Spawn, check_ranks
+from stages.schemas.finetune import FinetuneConfig, Init, SelectBy, Spawn, check_ranks
 
 __all__ = ["FinetuneConfig", "Preempted", "check_ranks", "init_distributed", "run", "run_rank"]  # what pipelines/jobs.py calls
 RANK_FLAG = "--rank-config"
@@ -239,14 +241,20 @@ def train_rank(cfg: DictConfig, device: torch.device, work: Path) -> StageResult
         if not resumed:
             log.write(0, PREFLIGHT, checked)
         waits: list[float] = []
-        best_state, best_val = train(cfg, drafter, target, train_data, val_data, work, log, Progress(), waits)
+        best_state, best_val, best_eval = train(cfg, drafter, target, train_data, val_data, work, log, Progress(),
+                                                waits)
     finally:  # the engine's request threads end with the training, however it ends
         if isinstance(rows, EngineRows):
             rows.states.close()
-    metrics = {**checked, **{f"val_{k}": v for k, v in best_val.items()}, **engine_metrics(rows, waits)}
+    metrics = {**checked, **{f"val_{k}": v for k, v in best_val.items()}, **engine_metrics(rows, waits),
+               **acceptance_metrics(best_eval, work)}
     headline = (f"{drafter.config.describe()}, init={Init(cfg.init).value}: best val loss {best_val.get('loss', float('nan')):.3f}, "
                 f"full_acc_0 {best_val.get('full_acc_0', float('nan')):.3f}, "
                 f"sim_accept_len {best_val.get('sim_accept_len', float('nan')):.2f}")
+    if best_eval:
+        headline += f", measured accept_len {best_eval['accept_len']:.3f}"
+    if cfg.select_by == SelectBy.accept_len:
+        headline = headline.replace("best val loss", "val loss") + " (kept: the best measured accept_len)"
     if rank == 0:
         with torch.device("meta"):
             # a plain module (the engine's may hold ZeRO-3 partitions) that names the target it was trained for
@@ -258,6 +266,18 @@ def train_rank(cfg: DictConfig, device: torch.device, work: Path) -> StageResult
             staged.update(metrics=metrics, checkpoint_dir=str(work.absolute()), headline=headline,
                           device=device_name(device), precision="bf16" if uses_bf16(cfg, device) else "fp32")
     return StageResult(Path(cfg.out), metrics, headline)
+
+
+def acceptance_metrics(kept: dict[str, float], work: Path) -> dict[str, float]:
+    """The kept state's measured acceptance (`eval_accept_len`, `eval_accept_len/<set>`) and the seconds every
+    measurement of the run took together (`eval_seconds`); nothing without eval_every."""
+    measured = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line)["split"] == EVAL] if (work / "metrics.jsonl").exists() else []
+    if not measured:
+        return {}
+    figures = {f"eval_{key}": value for key, value in kept.items() if key != "seconds"}
+    return {**figures, "eval_seconds_total": sum(line["seconds"] for line in measured),
+            "eval_measurements": len(measured)}
 
 
 def device_name(device: torch.device) -> str:

@@ -30,7 +30,9 @@ from stages.common.contract.errors import RegraftError
 from stages.common.data.feature_shards import Rows, RowSubset, as_rows
 from stages.common.drafter.target import TargetHead, TargetModel
 from stages.common.drafter.ttt import LossMask, TTTStats, draft_vocab_ids, ttt_forward, ttt_metrics
+from stages.finetune.acceptance import EVAL, AcceptanceProbe
 from stages.finetune.prefetch import read_ahead
+from stages.schemas.finetune import SelectBy
 
 
 def device_of(module: torch.nn.Module) -> torch.device:
@@ -249,15 +251,18 @@ class Progress:
     epoch: int = 0
     batch: int = 0  # micro-batches of this epoch already consumed
     best_val_loss: float = float("inf")
+    best_accept_len: float = float("-inf")  # of the kept state, with select_by=accept_len
     logged: Optional[int] = None  # lines of metrics.jsonl when the checkpoint was saved (rank 0's)
     validated: int = 0  # the step of the last validation (a checkpoint is taken before the validation after it)
+    measured: int = 0  # the step of the last acceptance measurement (eval_every)
 
 
 def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_data: Rows, val_data: Rows,
           work: Path, log: MetricsLog, progress: Progress,
-          waits: list[float] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """The run's best state and its validation metrics; `waits` collects the seconds the trainer waited for
-    batches read ahead (online: the server's share of the wall time it could not hide)."""
+          waits: list[float] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]]:
+    """The state the run keeps (finetune.select_by), its validation figures and its measured acceptance (empty
+    without eval_every); `waits` collects the seconds the trainer waited for batches read ahead (online: the
+    server's share of the wall time it could not hide)."""
     import deepspeed
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -283,7 +288,9 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                   flush=True)
     keeps = rank == 0  # the rank that exports: the others hold no copy of the best weights
     best = torch.load(best_file, map_location="cpu", weights_only=True) if cfg.resume and best_file.exists() else \
-        {"state": snapshot(engine.module, keeps), "val": {}}
+        {"state": snapshot(engine.module, keeps), "val": {}, "eval": {}, "step": progress.step}
+    probe = AcceptanceProbe(cfg, device) if cfg.eval_every and rank == 0 else None
+    by_acceptance = SelectBy(cfg.select_by) is SelectBy.accept_len
     stop = StopSignal()
 
     def save_checkpoint() -> None:
@@ -298,17 +305,50 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
             os.replace(checkpoints / "latest.tmp", checkpoints / "latest")
             prune_checkpoints(checkpoints, cfg.keep_checkpoints)
 
-    def validate_and_keep_best(best: dict) -> dict:
-        val = validate(engine.module, target, val_data, cfg, waits) if len(val_data) else {}
-        progress.validated = progress.step
-        if val:
-            log.write(progress.step, "val", val)
-        if not val or val["loss"] < progress.best_val_loss:
+    def measured(state: dict[str, torch.Tensor] | None = None, step: int | None = None) -> dict[str, float]:
+        """accept_len of the weights as they are now, or of a kept `state` from `step` (rank 0 decodes, every rank
+        gets its figures), logged at the step the weights are from."""
+        if state is None:  # on every rank: gathering partitioned weights is collective
+            state, step = snapshot(engine.module, keeps), progress.step
+        figures = [probe.measure(state, engine.module.config) if probe is not None else None]
+        if world > 1:
+            torch.distributed.broadcast_object_list(figures, src=0)
+        progress.measured = max(progress.measured, step)
+        log.write(step, EVAL, figures[0])
+        return figures[0]
+
+    def assess(best: dict, validating: bool) -> dict:
+        """The weights as they are now: validated at `validating` points (every epoch; at every measurement when the
+        kept state is chosen by acceptance), their acceptance measured where eval_every asks (its cadence and the
+        last step); they become the kept state if they beat it by select_by (the lowest validation loss, or the
+        highest accept_len)."""
+        due = bool(cfg.eval_every) and progress.measured < progress.step and \
+            (progress.step % cfg.eval_every == 0 or progress.step >= total_steps)
+        val = {}
+        if validating or (by_acceptance and due and progress.validated < progress.step):
+            val = validate(engine.module, target, val_data, cfg, waits) if len(val_data) else {}
+            progress.validated = progress.step
+            if val:
+                log.write(progress.step, "val", val)
+        accepted = measured() if due else {}
+        if by_acceptance:
+            better = bool(accepted) and accepted["accept_len"] > progress.best_accept_len
+        else:
+            better = validating and (not val or val["loss"] < progress.best_val_loss)
+        if better:
             progress.best_val_loss = val.get("loss", progress.best_val_loss)
-            best = {"state": snapshot(engine.module, keeps), "val": val}
+            progress.best_accept_len = accepted.get("accept_len", progress.best_accept_len)
+            best = {"state": snapshot(engine.module, keeps), "val": val, "eval": accepted, "step": progress.step}
             if rank == 0:  # a job killed while saving leaves the previous best whole
                 torch.save(best, best_file.with_suffix(".tmp"))
                 os.replace(best_file.with_suffix(".tmp"), best_file)
+        return best
+
+    def kept_measured(best: dict) -> dict:
+        """The kept state with its acceptance: measured now if it was kept at a step without a measurement (by val
+        loss, between two measurements)."""
+        if cfg.eval_every and not best.get("eval"):
+            best = {**best, "eval": measured(best["state"], best.get("step", 0))}
         return best
 
     end = total_steps if cfg.stop_at is None else min(cfg.stop_at, total_steps)
@@ -343,32 +383,35 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                 stop.after_checkpoint()
                 raise Preempted(checkpoints, f"stopped by a signal at step {progress.step} of {total_steps}; "
                                 "checkpoint saved", "rerun the same command to resume (resume=true)")
+            if cfg.eval_every and progress.step % cfg.eval_every == 0 and progress.step < end:
+                best = assess(best, validating=False)
             if progress.step >= end:
                 break
         else:
             progress.epoch, progress.batch = progress.epoch + 1, 0
         if progress.step >= end and end < total_steps:
             return rung_stop(cfg, engine, target, val_data, save_checkpoint, bar, keeps)
-        best = validate_and_keep_best(best)
+        best = assess(best, validating=True)
         if progress.step >= total_steps:
             break
     # resumed from the checkpoint of the last step, which is taken before that step's validation
     if progress.step >= end and end < total_steps:
         return rung_stop(cfg, engine, target, val_data, save_checkpoint, bar, keeps)
     if progress.step >= total_steps and progress.validated < progress.step:
-        best = validate_and_keep_best(best)
+        best = assess(best, validating=True)
     bar.close()
-    return best["state"], best["val"]
+    best = kept_measured(best)
+    return best["state"], best["val"], best.get("eval", {})
 
 
 def rung_stop(cfg: DictConfig, engine, target: TargetModel, val_data: Rows, save_checkpoint,
-              bar, keeps: bool) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+              bar, keeps: bool) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]]:
     """`stop_at` reached before the schedule's end (a race's rung): a checkpoint the next rung resumes from, taken
     before this validation, so neither the log nor the best state a continued run keeps ever sees it (it runs on
     exactly as an uninterrupted one); the weights as they are now and their validation."""
     save_checkpoint()
     bar.close()
-    return snapshot(engine.module, keeps), validate(engine.module, target, val_data, cfg) if len(val_data) else {}
+    return snapshot(engine.module, keeps), validate(engine.module, target, val_data, cfg) if len(val_data) else {}, {}
 
 
 def optimizer_step(engine, scheduler) -> tuple[float, float | None]:

@@ -5,12 +5,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig
 
+from stages.common.contract.errors import RegraftError
 from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import register_schema, setting
 from stages.common.data.feature_layout import LastHidden, Layout
-from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_engine_here
+from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_extraction_here, engine_holds
 
 
 class Mode(str, Enum):
@@ -37,7 +38,10 @@ class FeaturesConfig:
     trust_remote_code: bool = False  # run the code in the target's folder (Kimi's tokenizer and model need it)
     max_length: int = setting(256, at_least=4)  # tokens per conversation, as the fine-tunes will truncate them
     batch_size: int = setting(8, at_least=1)  # conversations per target forward
-    rows_per_shard: int = setting(512, at_least=1)  # conversations per safetensors shard
+    rows_per_shard: int = setting(512, at_least=1)  # conversations per safetensors shard, at most
+    # and at most this many MiB of rows a shard, as they wait in memory (padded to max_length; the file holds no more):
+    # a Kimi-K2.5 row of 2,048 tokens is 117 MB in bf16, so 18 a shard, where 512 would wait as 60 GB
+    shard_mb: float = setting(2048.0, above=0)
     # the final hidden state at every position (all), or only where a TTT loss under any finetune.loss_mask reads
     # it (loss_masked: answers and the token after each), saving H x itemsize at every other position
     last_hidden: LastHidden = LastHidden.all
@@ -52,28 +56,33 @@ class FeaturesConfig:
     parts: int = setting(1, at_least=1)
     part: Optional[int] = setting(None, at_least=0)  # this job's part of `parts`; None: all the data
     part_outputs: list[str] = field(default_factory=list)  # join: complete part outputs, in order; nothing is computed
-    dtype: str = "float32"  # the target's dtype while it runs (the shards keep what it computes)
+    dtype: str = "float32"  # the target's dtype while it runs, and the states' in the shards (bfloat16: half the bytes)
+
+
+DTYPES = ("float32", "bfloat16", "float16")  # what the target runs in, and the shards store
 
 
 def check_features(cfg: DictConfig, where: str) -> None:
+    prefix = f"{where}." if where else ""
+    if cfg.dtype not in DTYPES:
+        raise RegraftError(f"{prefix}dtype={cfg.dtype}", "is not a dtype the features are computed and stored in",
+                           f"set {prefix}dtype= to one of {', '.join(DTYPES)}")
     if Backend(cfg.backend) is Backend.vllm:
-        check_engine(cfg.vllm, f"{where}." if where else "")
+        check_engine(cfg.vllm, prefix)
 
 
 def check_before_work(cfg: dict, stage: str) -> None:
     """What the pipeline asks of every stage before any work, where it will run (pipelines/launchers.py): an engine
     this machine can run as asked."""
     if Backend(cfg["backend"]) is Backend.vllm:
-        check_engine_here(OmegaConf.create(cfg["vllm"]), f"{stage}.", cfg.get("target"),
-                          stock_connector=cfg["vllm_connector"] == "stock")
+        check_extraction_here(cfg, stage)
 
 
 def holds(cfg: DictConfig | dict, node_gpus: int) -> Holds:
     """The vLLM backend's engine, on as many GPUs as it is tensor-parallel on a GPU node; the hf backend a CPU."""
     if Backend(cfg["backend"]) is not Backend.vllm:
         return Holds()
-    tensor_parallel = int(cfg["vllm"]["tensor_parallel_size"])
-    return Holds(gpus=tensor_parallel if node_gpus > 0 else 0, server=f"vLLM, tensor-parallel {tensor_parallel}")
+    return engine_holds(int(cfg["vllm"]["tensor_parallel_size"]), node_gpus, "vLLM")
 
 
 register_schema("features", FeaturesConfig, check=check_features)

@@ -10,6 +10,7 @@ from omegaconf import MISSING, DictConfig
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.hardware import Device, Holds, gpu_visible, on_gpu
 from stages.common.contract.stage import register_schema, setting
+from stages.common.data.chat_prompts import EvalSet, check_eval_sets
 from stages.common.drafter.config import check_family
 from stages.common.drafter.loss_mask import LossMask
 from stages.common.engines.vllm_engine import EngineFeaturesConfig, check_engine
@@ -20,6 +21,11 @@ class Init(str, Enum):
     realign = "realign"  # diagnose's re-aligned drafter: remap, and fc (and embeddings) folded to read the new target
     scratch = "scratch"  # a fresh layer; lm_head rows from the verifier
     as_is = "as_is"  # a drafter trained on another map, unchanged: refused by the guard unless guard.consent=true
+
+
+class SelectBy(str, Enum):
+    val_loss = "val_loss"  # the lowest validation loss, checked every epoch
+    accept_len = "accept_len"  # the highest measured accept_len, at every measurement (eval_every > 0)
 
 
 class Spawn(str, Enum):
@@ -47,6 +53,20 @@ class GuardConfig:
     enabled: bool = True
     max_misaligned: float = setting(0.01, at_least=0, at_most=1)  # share of draft positions allowed to point at another token than the map says
     consent: bool = False  # train a misaligned init anyway (to reproduce the failure on purpose)
+
+
+@dataclass
+class AcceptanceConfig:
+    """What finetune.eval_every measures: the probe's greedy speculative decoder on the hf target, over a slice of
+    each eval set held out from the probe's (conf/wiring ties sets, skip, seed, num_steps and dtype to the probe)."""
+
+    sets: list[EvalSet] = field(default_factory=lambda: [EvalSet("builtin", "builtin")])
+    prompts: int = setting(4, at_least=1)  # conversations of each set
+    skip: int = setting(8, at_least=0)  # the first this many of each set's seeded order are the probe's
+    seed: int = 0  # the probe's shuffle
+    max_new_tokens: int = setting(32, at_least=1)
+    num_steps: int = setting(3, at_least=1)  # draft tokens per verify step
+    dtype: str = "float32"  # the target and drafter while they decode
 
 
 @dataclass
@@ -81,6 +101,11 @@ class FinetuneConfig:
     max_length: int = setting(256, at_least=4)
     val_fraction: float = setting(0.05, at_least=0, below=1)
     log_every: int = setting(10, at_least=1)  # train metrics every this many optimizer steps (validation: every epoch)
+    # measured accept_len every this many optimizer steps and at the end, and the kept state's (`acceptance`;
+    # stages/finetune/acceptance.py); 0: off. It needs a target transformers can hold (the built-in world's)
+    eval_every: int = setting(0, at_least=0)
+    select_by: SelectBy = SelectBy.val_loss  # the state the stage keeps and exports
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     checkpoint_every: int = setting(100, at_least=1)  # a resumable DeepSpeed checkpoint every this many optimizer steps
     keep_checkpoints: int = setting(2, at_least=0)  # the newest DeepSpeed checkpoints kept (weights + optimizer, ~4x the drafter); 0: all
     checkpoint_dir: Optional[str] = None  # default: <out>.checkpoints
@@ -141,11 +166,17 @@ def holds(cfg: DictConfig | dict, node_gpus: int) -> Holds:
     return Holds(gpus=gpus, nodes=int(cfg.get("nodes", 1)), tasks_per_node=ranks, server=server)
 
 
-def check_finetune_family(cfg: DictConfig, where: str) -> None:
-    check_family(f"{where}.family" if where else "family", cfg.get("family"))
+def check_finetune(cfg: DictConfig, where: str) -> None:
+    prefix = f"{where}." if where else ""
+    check_family(f"{prefix}family", cfg.get("family"))
+    if SelectBy(cfg.get("select_by", SelectBy.val_loss)) is SelectBy.accept_len and not cfg.get("eval_every"):
+        raise RegraftError(f"{prefix}select_by=accept_len", "keeps the state with the best measured accept_len, and "
+                           f"{prefix}eval_every=0 measures none", f"set {prefix}eval_every= to a step count > 0")
+    if cfg.get("eval_every"):
+        check_eval_sets(cfg.acceptance.sets, f"{prefix}acceptance.sets")
     engine = cfg.get("engine")
     if engine is not None and engine.enabled and not engine.server_url:  # the stage starts the server itself
         check_engine(engine.vllm, f"{where}.engine." if where else "engine.")
 
 
-register_schema("finetune", FinetuneConfig, check=check_finetune_family)
+register_schema("finetune", FinetuneConfig, check=check_finetune)

@@ -1,10 +1,8 @@
 """The probe stage's config (stages/probe.py), its rules, and what it asks of the machine it runs on."""
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -12,8 +10,9 @@ from stages.common.contract.errors import RegraftError
 from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import register_schema, setting
 from stages.common.data.chat_prompts import EvalSet, check_eval_sets
+from stages.common.engines.engine_process import interpreter_found
 from stages.common.engines.sglang_backend import SglangConfig
-from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_engine_here
+from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_engine_here, engine_holds
 
 
 class Backend(str, Enum):
@@ -84,12 +83,7 @@ def holds(cfg: DictConfig | dict, node_gpus: int) -> Holds:
         tensor_parallel, server = int(cfg["vllm"]["tensor_parallel_size"]), "vLLM"
     else:
         return Holds()
-    return Holds(gpus=tensor_parallel if node_gpus > 0 else 0, server=f"{server}, tensor-parallel {tensor_parallel}")
-
-
-def interpreter_found(python: str) -> bool:
-    """A path that exists, or a bare name on PATH (`python`)."""
-    return Path(python).exists() if "/" in python else shutil.which(python) is not None
+    return engine_holds(tensor_parallel, node_gpus, server)
 
 
 register_schema("probe", ProbeConfig, check=check_probe)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 # share of a GPU's memory a plan keeps free for what a memory estimate leaves out: the CUDA context, NCCL's buffers,
-# the caching allocator's fragments (stages/finetune/memory.py)
+# the caching allocator's fragments (stages/common/drafter/memory.py)
 MEMORY_HEADROOM = 0.1
 
 

@@ -15,14 +15,15 @@ The final hidden state (after the final norm, so logits = lm_head(last_hidden)) 
   `last_hidden_packed` [K, H], row i's states at `last_hidden_offsets[i]:[i+1]` ([n+1]); read back as [n, L, H]
   with zeros elsewhere, which no loss or accuracy reads.
 
-Write with `ShardWriter`; what the shards cost comes back as `StoredFeatures` (`bytes_per_token`: the aux and
-final states per stored position at the stored dtype, 4 * H * itemsize with `all`; `bytes_vs_tokens`: the files
-over real tokens x bytes_per_token). Read with `open_features`: a `FeatureRows` row source that reads only the
-rows a `take` asks for (positional reads into fresh buffers, each shard opened once per take and closed after it;
-no mmap, whose touched pages would count in the resident set), so a fine-tune holds one micro-batch of features,
-never the set. `TensorRows` is the same interface over rows in memory (online: tokenized chats), `RowSubset` a
-view of some rows (the train/val split). The manifest names the aux layers (output-of-layer convention),
-`max_length`, `layout` and `last_hidden` the rows were cached with; opening checks them.
+Write with `ShardWriter` (a shard is `rows_per_shard` rows, or fewer within a byte budget); what the shards cost
+comes back as `StoredFeatures` (`bytes_per_token`: the aux and final states per stored position at the stored dtype,
+4 * H * itemsize with `all`; `bytes_vs_tokens`: the files over real tokens x bytes_per_token). Read with
+`open_features`: a `FeatureRows` row source that reads only the rows a `take` asks for (positional reads into fresh
+buffers, each shard opened once per take and closed after it; no mmap, whose touched pages would count in the
+resident set), so a fine-tune holds one micro-batch of features, never the set. `TensorRows` is the same interface
+over rows in memory (online: tokenized chats), `RowSubset` a view of some rows (the train/val split). The manifest
+names the aux layers (output-of-layer convention), `max_length`, `layout` and `last_hidden` the rows were cached
+with; opening checks them.
 """
 from __future__ import annotations
 
@@ -131,12 +132,15 @@ def state_bytes(tensor: torch.Tensor) -> int:
 
 
 class ShardWriter:
-    """Rows in (padded, as the target ran them), in batches of any size; shards of exactly `rows_per_shard` rows
-    out (the last may hold fewer), in `layout`."""
+    """Rows in (padded, as the target ran them), in batches of any size; shards out in `layout`, each of
+    `rows_per_shard` rows, or of fewer where that many would hold more than `shard_bytes` here (rows as they are
+    held, padded: a row's bytes are the same for every row), at least one; the last may hold fewer. So what waits
+    to be written never passes the budget (a Kimi-K2.5 row of 2,048 tokens is 117 MB in bf16: 512 of them would be
+    60 GB), and a shard's file holds at most that (ragged shards less)."""
 
     def __init__(self, folder: Path, rows_per_shard: int, last_hidden: LastHidden | str = LastHidden.all,
-                 layout: Layout | str = Layout.ragged):
-        self.folder, self.rows_per_shard = Path(folder), rows_per_shard
+                 layout: Layout | str = Layout.ragged, shard_bytes: int | None = None):
+        self.folder, self.rows_per_shard, self.shard_bytes = Path(folder), rows_per_shard, shard_bytes
         self.last_hidden, self.layout = LastHidden(last_hidden), Layout(layout)
         self.pending: list[dict[str, torch.Tensor]] = []
         self.stored = StoredFeatures()
@@ -144,21 +148,39 @@ class ShardWriter:
     def pending_rows(self) -> int:
         return sum(rows["input_ids"].shape[0] for rows in self.pending)
 
+    def shard_rows(self) -> int:
+        """Rows a shard takes: `rows_per_shard`, or as many as `shard_bytes` holds (at least one)."""
+        if not self.shard_bytes or not self.pending:
+            return self.rows_per_shard
+        row_bytes = sum(state_bytes(tensor[0]) for tensor in self.pending[0].values())
+        return max(1, min(self.rows_per_shard, self.shard_bytes // row_bytes))
+
     def add(self, rows: dict[str, torch.Tensor]) -> None:
         self.pending.append(rows)
-        while self.pending_rows() >= self.rows_per_shard:
-            self.flush(self.rows_per_shard)
+        while self.pending_rows() >= self.shard_rows():
+            self.flush(self.shard_rows())
 
     def close(self) -> StoredFeatures:
         if self.pending_rows():
             self.flush(self.pending_rows())
         return self.stored
 
+    def take(self, count: int) -> dict[str, torch.Tensor]:
+        """The first `count` pending rows, joined; only the batches they come from are copied."""
+        taken, left = [], count
+        while left:
+            first = self.pending[0]
+            size = first["input_ids"].shape[0]
+            if size <= left:
+                taken.append(self.pending.pop(0))
+            else:
+                taken.append({name: tensor[:left] for name, tensor in first.items()})
+                self.pending[0] = {name: tensor[left:] for name, tensor in first.items()}
+            left -= min(size, left)
+        return {name: torch.cat([rows[name] for rows in taken]) for name in taken[0]}
+
     def flush(self, count: int) -> None:
-        merged = {name: torch.cat([rows[name] for rows in self.pending]) for name in self.pending[0]}
-        rest = {name: tensor[count:].clone() for name, tensor in merged.items()}
-        self.pending = [rest] if rest["input_ids"].shape[0] else []
-        rows = {name: tensor[:count] for name, tensor in merged.items()}
+        rows = self.take(count)
         shard = ragged_rows(rows, self.last_hidden) if self.layout is Layout.ragged \
             else pack_final_states(rows, self.last_hidden)
         path = shard_path(self.folder, self.stored.shards)

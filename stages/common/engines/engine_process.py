@@ -4,18 +4,41 @@ with its output in a log file, and stopping it stops the whole group (engines sp
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlparse
 
 from stages.common.contract.errors import RegraftError
 
+HOST = "127.0.0.1"  # where regraft starts a server for its own requests
 LOG_TAIL_LINES = 8
 HEALTH_POLL_S = 0.2  # GET /health interval while a server starts
+# An engine's start besides reading its weights (imports, the memory profile, CUDA graphs, compilation) gets
+# START_FLOOR_S; its weights get their bytes at LOAD_BYTES_PER_S, a network file system's rate (local NVMe reads
+# 2-5 GB/s): too long a timeout only reports a hung start later, too short a one kills a healthy start.
+START_FLOOR_S = 900.0
+LOAD_BYTES_PER_S = 0.5e9
+
+
+def start_timeout(given: float | None, *models: str | Path | None) -> float:
+    """How long an engine may take to start on `models` (a target, a drafter): `given`, or START_FLOOR_S plus their
+    safetensors bytes at LOAD_BYTES_PER_S (Kimi-K2.5's ~595 GB: 900 + 1190 s, where a flat 900 s would kill it)."""
+    if given is not None:
+        return given
+    return START_FLOOR_S + sum(checkpoint_bytes(model) for model in models if model) / LOAD_BYTES_PER_S
+
+
+def checkpoint_bytes(folder: str | Path) -> int:
+    """The bytes of a model folder's safetensors files (0 for what is no folder: a hub name, a missing path)."""
+    return sum(path.stat().st_size for path in Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else 0
 
 
 def stop_group(process: subprocess.Popen, grace_s: float) -> None:
@@ -143,3 +166,22 @@ def healthy(url: str, timeout: float) -> bool:
             return answer.status == 200
     except (urllib.error.URLError, http.client.HTTPException, OSError):  # refused, 503 while loading, timeouts
         return False
+
+
+def interpreter_found(python: str) -> bool:
+    """A path that exists, or a bare name on PATH (`python`)."""
+    return Path(python).exists() if "/" in python else shutil.which(python) is not None
+
+
+def on_this_machine(url: str) -> bool:
+    """Whether `url`'s host is this machine: a loopback or wildcard address, this host's name, or a name that
+    resolves to one of those or to this host's own address (a name that does not resolve is not this machine)."""
+    host = urlparse(url).hostname or ""
+    if host in ("localhost", "0.0.0.0", "::", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(host))
+        own = socket.gethostbyname_ex(socket.gethostname())[2]
+    except (OSError, ValueError):
+        return False
+    return address.is_loopback or str(address) in own

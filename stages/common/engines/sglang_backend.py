@@ -3,8 +3,9 @@
 In: a target model folder, a drafter folder, conversations (lists of user turns) and a `render` function that turns
 chat messages into the target's prompt text (chat template, generation prompt added).
 Out: one row per turn (`conversation`, `turn`, `prompt_tokens`, `completion_tokens`, `verify_steps`, `seconds`,
-`text`); `accept_length(rows)` = sum of completion tokens / sum of verify steps, as SpecForge's benchmarks compute
-it from SGLang's `meta_info` (`completion_tokens`, `spec_verify_ct`), greedy, cache flushed first.
+`text`); accept_len is their sum of completion tokens over their sum of verify steps (`accept_length`,
+stages/common/drafter/acceptance.py), as SpecForge's benchmarks compute it from SGLang's `meta_info`
+(`completion_tokens`, `spec_verify_ct`), greedy, cache flushed first.
 
 The server is started as `python -m sglang.launch_server ... --speculative-algorithm EAGLE3 ...` in its own process
 group, its output kept in a log file, and the whole group stopped afterwards; or `server_url` names one already
@@ -26,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from stages.common.engines.credentials import DEFAULT_KEY_ENV, UNAUTHORIZED, authorize, refuse_secrets, refused_key
 from stages.common.drafter.config import CONVENTIONS, INPUT_OF_LAYER, OUTPUT_OF_LAYER, convert_aux_layer_ids
-from stages.common.engines.engine_process import ServerProcess
+from stages.common.engines.engine_process import ServerProcess, start_timeout
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.runtime import free_port
 
@@ -42,22 +43,32 @@ class SglangConfig:
     tp: int = 1  # tensor-parallel size (--tp-size)
     mem_fraction_static: float | None = None  # None = SGLang's own choice
     extra_args: list[str] = field(default_factory=list)  # appended verbatim, e.g. ["--trust-remote-code"]
-    startup_timeout_s: float = 900.0  # loading a Kimi-sized target takes minutes
+    # None: scaled with the checkpoints (engine_process.start_timeout: 900 s, and their weights at an assumed 0.5 GB/s)
+    startup_timeout_s: float | None = None
     request_timeout_s: float = 600.0  # one /generate call
     stop_grace_s: float = 30.0  # SIGTERM to the process group, then SIGKILL after this
 
 
-def server_command(cfg: SglangConfig, target: str, drafter: str, num_steps: int, topk: int,
-                   num_draft_tokens: int, port: int) -> list[str]:
-    """The launch command; flag names as in SGLang's `ServerArgs` (`tp_size` is `--tp-size`)."""
-    command = [cfg.python, "-m", cfg.launch_module, "--model-path", target,
-               "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter,
-               "--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", str(topk),
-               "--speculative-num-draft-tokens", str(num_draft_tokens),
+def launch_command(cfg: SglangConfig, target: str, port: int, speculative: list[str] = ()) -> list[str]:
+    """`python -m sglang.launch_server` on the target (with `speculative`'s flags); flag names as in SGLang's
+    `ServerArgs` (`tp_size` is `--tp-size`)."""
+    command = [cfg.python, "-m", cfg.launch_module, "--model-path", target, *speculative,
                "--tp-size", str(cfg.tp), "--host", cfg.host, "--port", str(port)]
     if cfg.mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
     return command + list(cfg.extra_args)
+
+
+def server_command(cfg: SglangConfig, target: str, drafter: str, num_steps: int, topk: int,
+                   num_draft_tokens: int, port: int) -> list[str]:
+    """The launch command of a target speculating with an EAGLE-3 drafter."""
+    return launch_command(cfg, target, port, [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter,
+        "--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", str(topk),
+        "--speculative-num-draft-tokens", str(num_draft_tokens)])
+
+
+MODEL_FLAGS = ("--model-path", "--speculative-draft-model-path")  # the checkpoints a server loads as it starts
 
 
 def _flag(command: list[str], name: str) -> str:
@@ -69,7 +80,7 @@ def _flag(command: list[str], name: str) -> str:
     return command[positions[-1] + 1]
 
 
-def _client_url(host: str, port: str) -> str:
+def client_url(host: str, port: str) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
 
@@ -82,12 +93,13 @@ class SglangServer(ServerProcess):
         if cfg.server_url:
             url, command = cfg.server_url, None
         elif command:
-            url = _client_url(_flag(command, "--host"), _flag(command, "--port"))
+            url = client_url(_flag(command, "--host"), _flag(command, "--port"))
         else:
             raise RegraftError(None, "no SGLang server to use", "set sglang.server_url or give a launch command")
+        models = [_flag(command, name) for name in MODEL_FLAGS if command and name in command]
         super().__init__("SGLang server", command, url, log_path, settings="sglang",
-                         startup_timeout_s=cfg.startup_timeout_s, request_timeout_s=cfg.request_timeout_s,
-                         stop_grace_s=cfg.stop_grace_s)
+                         startup_timeout_s=start_timeout(cfg.startup_timeout_s, *models),
+                         request_timeout_s=cfg.request_timeout_s, stop_grace_s=cfg.stop_grace_s)
         self.cfg = cfg
 
 
@@ -171,15 +183,6 @@ def _conversation(url: str, index: int, turns: list[str], render: Callable[[list
         yield {"conversation": index, "turn": turn, "prompt_tokens": out.get("prompt_tokens", -1),
                "completion_tokens": out["completion_tokens"], "verify_steps": out["spec_verify_ct"],
                "seconds": seconds, "text": out["text"]}
-
-
-def accept_length(rows: list[dict]) -> float:
-    """Sum of completion tokens over sum of verify steps (SpecForge's benchmarks; MT-Bench sums both turns)."""
-    steps = sum(row["verify_steps"] for row in rows)
-    if steps <= 0:
-        raise RegraftError(None, f"no verify steps in {len(rows)} rows: nothing was generated",
-                           "give the probe prompts and max_new_tokens > 0")
-    return sum(row["completion_tokens"] for row in rows) / steps
 
 
 # --- aux hidden-state layer convention --------------------------------------------------------------------------

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from filelock import FileLock
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from stages.common.engines import vllm_worker  # noqa: F401  (runs in the engine venv; imported here for the cache key)
-from stages.common.engines.engine_process import log_tail, stop_group
+from stages.common.engines.engine_process import log_tail, start_timeout, stop_group
 from stages.common.contract.errors import RegraftError
-from stages.common.contract.hardware import gpu_visible
+from stages.common.contract.hardware import Holds, gpu_visible
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
@@ -51,7 +51,8 @@ class VllmConfig:
     max_model_len: Optional[int] = None  # None = the target's own
     max_num_seqs: Optional[int] = None  # None = vLLM's default
     tensor_parallel_size: int = 1  # GPUs one engine spans (8 for a Kimi-sized target)
-    startup_timeout_s: float = 900.0
+    # None: scaled with the checkpoint (engine_process.start_timeout: 900 s, and its weights at an assumed 0.5 GB/s)
+    startup_timeout_s: Optional[float] = None
     request_timeout_s: float = 1800.0
     stop_grace_s: float = 30.0
     in_process: bool = True  # the engine core in the worker's process: one interpreter's imports, not three
@@ -76,12 +77,50 @@ class EngineFeaturesConfig:
     request_timeout_s: float = 600.0
     connector: str = "cpu"  # cpu: regraft's connector (a CPU build) | stock: vLLM's own (GPU)
     dtype: str = "float32"  # the target's dtype in the server
+    # the server runs the code in the target's folder (Kimi's); the pipeline sets it with target.trust_remote_code
+    trust_remote_code: bool = False
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
 def engine_python(cfg: VllmConfig) -> Path:
     path = Path(cfg.python)
     return path if path.is_absolute() else ROOT / path
+
+
+def engine_env(cfg: VllmConfig) -> dict[str, str]:
+    """A vLLM process's environment: regraft importable (its CPU connector), no usage reports, `cfg.env`, and on a
+    CPU build the KV cache's GiB."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "TOKENIZERS_PARALLELISM": "false", **cfg.env}
+    if cfg.kvcache_space_gib is not None:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kvcache_space_gib:g}")
+    return env
+
+
+def server_env(cfg: VllmConfig) -> dict[str, str]:
+    """A `vllm serve` process's environment: `engine_env`, and its torch threads (its own process sets them)."""
+    env = engine_env(cfg)
+    if cfg.threads:
+        env.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+    return env
+
+
+def server_command(cfg: VllmConfig, model: str | Path, *, dtype: str, host: str, port: int,
+                   max_model_len: int | None, trust_remote_code: bool) -> list[str]:
+    """vLLM's OpenAI server (`vllm serve`) from the engine venv on `model`, with `cfg`'s engine settings."""
+    command = [str(engine_python(cfg)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--dtype", dtype, "--host", host, "--port", str(port), "--seed", "0",
+               "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
+               "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if max_model_len:
+        command += ["--max-model-len", str(max_model_len)]
+    if cfg.enforce_eager:
+        command.append("--enforce-eager")
+    if cfg.max_num_seqs:
+        command += ["--max-num-seqs", str(cfg.max_num_seqs)]
+    if trust_remote_code:
+        command.append("--trust-remote-code")
+    return command
 
 
 def start_lock(cfg: VllmConfig) -> FileLock | None:
@@ -110,6 +149,12 @@ def multimodal_kimi(target: str | None) -> bool:
         return False  # not there yet (a stage builds it), or broken: the target's own readers say so
 
 
+def engine_holds(tensor_parallel: int, node_gpus: int, engine: str) -> Holds:
+    """What a stage that runs an engine on its node holds: the GPUs the engine is tensor-parallel on, where the node
+    has GPUs (on a CPU node the engine computes on the CPU: none), and the server it is."""
+    return Holds(gpus=tensor_parallel if node_gpus > 0 else 0, server=f"{engine}, tensor-parallel {tensor_parallel}")
+
+
 def check_engine_here(cfg: VllmConfig | DictConfig, where: str, target: str | None,
                       stock_connector: bool = False) -> None:
     """Before any work, on the machine the stage runs on: what vLLM's CPU build cannot run as asked. Its stock
@@ -125,6 +170,13 @@ def check_engine_here(cfg: VllmConfig | DictConfig, where: str, target: str | No
         raise RegraftError(f"{where}vllm.in_process=true", f"vLLM's CPU build cannot serve {target} (Kimi-K2.5) in "
                            "process: its triton override trips on the numba the Kimi image processor imports",
                            f"set {where}vllm.in_process=false")
+
+
+def check_extraction_here(cfg: dict, stage: str) -> None:
+    """`check_engine_here` for a stage that extracts the target's states on vLLM (features, diagnose): its `vllm`
+    settings, its `target` and its hidden-states connector (`vllm_connector`)."""
+    check_engine_here(OmegaConf.create(cfg["vllm"]), f"{stage}.", cfg.get("target"),
+                      stock_connector=cfg["vllm_connector"] == "stock")
 
 
 class VllmEngine:
@@ -144,10 +196,7 @@ class VllmEngine:
         self.take_start_lock()
         python = engine_python(self.cfg)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "TOKENIZERS_PARALLELISM": "false", **self.cfg.env}
-        if self.cfg.kvcache_space_gib is not None:
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.cfg.kvcache_space_gib:g}")
+        env = engine_env(self.cfg)
         if self.cfg.in_process:
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         with self.log_path.open("wb") as log:
@@ -155,7 +204,7 @@ class VllmEngine:
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                             start_new_session=True)
         try:
-            imported = self._read(self.cfg.startup_timeout_s, "while it imported vLLM")
+            imported = self._read(start_timeout(self.cfg.startup_timeout_s), "while it imported vLLM")
             self.import_seconds, self.versions = imported["imported"], imported.get("versions", {})
         except BaseException:
             self.stop()
@@ -176,10 +225,10 @@ class VllmEngine:
                 "trust_remote_code": trust_remote_code, "tensor_parallel_size": self.cfg.tensor_parallel_size,
                 "gpu_memory_utilization": self.cfg.gpu_memory_utilization, "max_model_len": self.cfg.max_model_len,
                 "max_num_seqs": self.cfg.max_num_seqs, "threads": self.cfg.threads, **(extra or {})}
+        timeout = start_timeout(self.cfg.startup_timeout_s, model, (speculative or {}).get("model"))
         self.take_start_lock()
         try:
-            self.startup_seconds = self.request({"op": "start", "spec": spec}, self.cfg.startup_timeout_s)[
-                "startup_seconds"]
+            self.startup_seconds = self.request({"op": "start", "spec": spec}, timeout)["startup_seconds"]
         finally:
             self.release_start_lock()
         return self.startup_seconds
