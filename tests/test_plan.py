@@ -231,6 +231,7 @@ def test_a_slurm_plan_writes_batch_scripts_sbatch_accepts(tmp_path, slurm_cluste
                    f"launcher.resources.slurm_partition={slurm_cluster.partition}",
                    "launcher.resources.cpus_per_task=1", "launcher.per_stage.finetune.cpus_per_task=1",
                    "launcher.per_stage.features.cpus_per_task=1", "launcher.per_stage.probe.cpus_per_task=1",
+                   "launcher.per_stage.diagnose.cpus_per_task=1",
                    "launcher.resources.timeout_min=20", "launcher.per_stage.finetune.timeout_min=20")
     assert done.returncode == 0, done.stdout[-3000:]
     plan = the_plan(tmp_path)
