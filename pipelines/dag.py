@@ -108,6 +108,8 @@ def finetune_node(cfg: DictConfig, name: str, init: str, phase: str, **settings:
         config.data = None
     if cfg.pipeline.offline and not cached:  # features.mode=online: the states from a server (finetune.engine)
         config.engine.enabled = True
+    if not config.eval_every:  # nothing measured while it trains: the probe's settings stay out of its key
+        config.acceptance = stage_defaults("finetune").acceptance
     return Node(name, "finetune", config, phase)
 
 

@@ -106,10 +106,11 @@ BEFORE_ANY_WORK = [
     ("regenerating on vLLM without the engine venv", ["pipeline.regenerate=true",
                                                        "regenerate.vllm.python=/nowhere/python"], {},
      "regenerate.vllm.python=/nowhere/python: no vLLM engine venv there"),
+    # diagnose runs the targets where features does (conf/wiring), and it is checked first: its line names it
     ("vLLM features without the engine venv", ["features.backend=vllm", "features.vllm.python=/nowhere/python"], {},
-     "features.vllm.python=/nowhere/python: no vLLM engine venv there"),
+     "diagnose.vllm.python=/nowhere/python: no vLLM engine venv there"),
     ("vLLM's stock connector on a machine without a GPU", ["features.backend=vllm", "features.vllm_connector=stock"],
-     {}, "features.vllm_connector=stock: vLLM's stock hidden-states connector pins memory, which needs a GPU"),
+     {}, "diagnose.vllm_connector=stock: vLLM's stock hidden-states connector pins memory, which needs a GPU"),
     ("an SGLang probe without its interpreter", ["probe.backend=sglang", "probe.sglang.python=/nowhere/python"], {},
      "probe.sglang.python=/nowhere/python: no such interpreter here (fix: set probe.sglang.python= to an interpreter"),
     ("online features without the engine venv", ["features.mode=online", "finetune.engine.vllm.python=/nowhere/python"],

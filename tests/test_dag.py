@@ -51,7 +51,8 @@ def test_the_built_in_source_drafter_is_trained_by_the_finetune_stage_on_target_
 @pytest.mark.parametrize("override,expected", [
     ("finetune.lr=1e-3", {"finetune", "evaluate", "baseline_finetune", "baseline_evaluate"}),
     ("remap.fallback=mean", {"remap", "diagnose", "finetune", "evaluate"}),
-    ("probe.num_steps=5", {"probe", "evaluate", "baseline_evaluate"}),  # one measurement for both phases
+    # one measurement for both phases, and the one the fine-tunes take while they train (finetune.eval_every)
+    ("probe.num_steps=5", {"probe", "evaluate", "baseline_evaluate", "finetune", "baseline_finetune"}),
     ("vocab_map.draft_vocab_size=512", {"vocab_map", "compare", "remap", "diagnose", "finetune", "evaluate",
                                         "baseline_finetune", "baseline_evaluate"}),
     ("source.build.finetune.max_steps=30", {"source_drafter", "probe", "compare", "remap", "diagnose", "features", "finetune",
@@ -62,6 +63,14 @@ def test_the_built_in_source_drafter_is_trained_by_the_finetune_stage_on_target_
 ])
 def test_a_changed_option_changes_the_keys_downstream_only(override, expected):
     assert changed(keys_for(nodes_for()), keys_for(nodes_for(override))) == expected
+
+
+def test_a_fine_tune_that_measures_nothing_keeps_its_key_when_the_probe_changes():
+    """finetune.eval_every=0 (the stage's default, the real experiment's): no measurement while it trains, so the
+    probe's settings it would measure with do not reach its key, and changing them never trains it again."""
+    quiet = "finetune.eval_every=0"
+    assert changed(keys_for(nodes_for(quiet)), keys_for(nodes_for(quiet, "probe.num_steps=5"))) == \
+        {"probe", "evaluate", "baseline_evaluate"}
 
 
 def test_trusting_the_targets_code_reaches_every_stage_that_loads_it():

@@ -258,3 +258,31 @@ def test_bf16_trains_on_float32_target_states_as_float32_does(trained_target, ch
     bf16 = finetune.run(compose_stage("finetune", common + [f"out={tmp_path / 'bf16'}", "deepspeed.bf16=true"]))
     assert bf16.metrics["val_loss"] == pytest.approx(fp32.metrics["val_loss"], rel=2e-2)
     assert bf16.metrics["val_loss"] != fp32.metrics["val_loss"]  # it did train in bf16
+
+
+def preflight_of_rank(rank: int, port: int, folders: list[str], found: str) -> None:
+    """One rank of two resuming a run: each handed its own view of the work folder, as a rank that read it while
+    rank 0 rewrote metrics.jsonl would see it (rank 1's is empty)."""
+    import os
+
+    from stages.finetune import guard
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo")
+    figures = guard.checked_once(None, None, None, None, None, None, Path(folders[rank]))
+    Path(found, f"rank{rank}.json").write_text(json.dumps(figures))
+    torch.distributed.destroy_process_group()
+
+
+def test_every_rank_of_a_resumed_run_gets_rank_0s_preflight_figures(tmp_path):
+    """Only rank 0 reads the log back; the others get its figures, whatever they would have read themselves."""
+    from stages.common.contract.runtime import free_port
+
+    logged, empty = tmp_path / "rank0", tmp_path / "rank1"
+    logged.mkdir()
+    empty.mkdir()
+    (logged / "metrics.jsonl").write_text(json.dumps({"step": 0, "split": "preflight", "preflight_loss_0": 1.5}) + "\n")
+    torch.multiprocessing.spawn(preflight_of_rank, args=(free_port(), [str(logged), str(empty)], str(tmp_path)),
+                                nprocs=2)
+    assert [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)] == \
+        [{"preflight_loss_0": 1.5}] * 2

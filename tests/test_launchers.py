@@ -125,7 +125,10 @@ def test_on_slurm_each_engine_stage_asks_for_its_gpus_and_each_fine_tune_for_its
     for name in FINETUNES:
         assert shape(slurm.resources(nodes[name])) == (1, 8, 8), name
         slurm.check(nodes[name], resolved(nodes[name]))
-    for name in ("regenerate", "vocab_map", "remap"):  # regenerate asks a server elsewhere (engine=openai)
+    # regenerate starts its own SGLang server on the node (regenerate.serve), diagnose runs the targets on vLLM
+    for name in ("regenerate", "diagnose"):
+        assert shape(slurm.resources(nodes[name])) == (1, 1, 8), name
+    for name in ("vocab_map", "remap"):
         assert shape(slurm.resources(nodes[name])) == (1, 1, 0), name
     assert slurm.resources(nodes["features"])["cpus_per_task"] == 16  # the engine stages' own CPUs and time
     assert slurm.resources(nodes["probe"])["timeout_min"] == 480 and slurm.resources(nodes["finetune"])[

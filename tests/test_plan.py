@@ -204,7 +204,8 @@ def test_the_kimi_plan_on_slurm_gives_engine_stages_8_gpus_and_fine_tunes_8_rank
         assert "#SBATCH --ntasks-per-node=8" in Path(plan["batch_scripts"][name]).read_text()
     assert table_row(stdout, "features")[2] == "1x1 8g 16c 24h" and table_row(stdout, "finetune")[2] == \
         "1x8 8g 12c 48h"
-    assert rows["vocab_map"]["resources"]["gpus_per_node"] == 0 and rows["regenerate"]["holds"]["gpus"] == 0
+    assert rows["vocab_map"]["resources"]["gpus_per_node"] == 0
+    assert rows["regenerate"]["holds"]["gpus"] == rows["diagnose"]["holds"]["gpus"] == 8  # its own server; vLLM
     noted = any(note.startswith("Slurm's commands are not on this machine") for note in plan["notes"])
     assert noted is not slurm_here
 
@@ -230,6 +231,7 @@ def test_a_slurm_plan_writes_batch_scripts_sbatch_accepts(tmp_path, slurm_cluste
                    f"launcher.resources.slurm_partition={slurm_cluster.partition}",
                    "launcher.resources.cpus_per_task=1", "launcher.per_stage.finetune.cpus_per_task=1",
                    "launcher.per_stage.features.cpus_per_task=1", "launcher.per_stage.probe.cpus_per_task=1",
+                   "launcher.per_stage.diagnose.cpus_per_task=1",
                    "launcher.resources.timeout_min=20", "launcher.per_stage.finetune.timeout_min=20")
     assert done.returncode == 0, done.stdout[-3000:]
     plan = the_plan(tmp_path)

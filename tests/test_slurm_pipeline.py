@@ -247,12 +247,12 @@ def sbatch_options(run: Path, job_id: str) -> dict[str, str]:
 
 def test_a_race_submits_every_rung_with_the_fine_tunes_tasks(sweep, slurm_cluster):
     """launcher.per_stage is by stage: every rung of a race (finetune nodes named by their candidates) gets
-    finetune's 2 tasks and its time, the finalists' evaluations probe's time, `evaluate` its own node override."""
+    finetune's 2 tasks and its time, the finalists' evaluations probe's time; phase 1 (`evaluate`) is the winner's
+    evaluation again, a cache hit that submits nothing."""
     outputs, _ = sweep
     regraft(outputs, slurm_cluster, "race", "pipeline.race=true", "race.inits=[remap,scratch]", "race.lrs=[3e-3]",
             "race.budget_steps=6", "race.rungs=2", "finetune.nproc=2",
-            "finetune.deepspeed.gradient_accumulation_steps=1",
-            "launcher.per_stage.probe.timeout_min=17", "+launcher.per_node.evaluate.timeout_min=19")
+            "finetune.deepspeed.gradient_accumulation_steps=1", "launcher.per_stage.probe.timeout_min=17")
     run = outputs / "runs" / "race"
     jobs = submitted(run)
     rungs = sorted(name for name in jobs if name.startswith("race_") and not name.endswith("_evaluate"))
@@ -262,10 +262,11 @@ def test_a_race_submits_every_rung_with_the_fine_tunes_tasks(sweep, slurm_cluste
         assert (jobs[name]["tasks"], options["ntasks-per-node"], options["nodes"], options["time"]) == \
             (2, "2", "1", "20"), (name, options)
     evaluations = sorted(name for name in jobs if name.endswith("evaluate"))
-    assert len(evaluations) == 2 and evaluations[0] == "evaluate", jobs
-    assert [sbatch_options(run, jobs[name]["job_id"])["time"] for name in evaluations] == ["19", "17"]
+    assert evaluations == ["race_remap_lr0.003_evaluate", "race_scratch_lr0.003_evaluate"], jobs
+    assert [sbatch_options(run, jobs[name]["job_id"])["time"] for name in evaluations] == ["17", "17"]
     assert all(sbatch_options(run, jobs[name]["job_id"])["ntasks-per-node"] == "1" for name in evaluations)
-    assert summary(run)["evaluate"]["metrics"]["accept_len"] >= 1
+    phase1 = summary(run)["evaluate"]
+    assert phase1["hit"] and phase1["metrics"]["accept_len"] >= 1
 
 
 def test_feature_parts_across_nodes_rerun_only_the_cancelled_one(sweep, slurm_cluster):

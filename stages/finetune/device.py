@@ -66,12 +66,16 @@ def node_states_server(cfg: DictConfig, work: Path) -> Iterator[DictConfig]:
     it is. A launcher that starts the ranks itself (torchrun, deepspeed) starts the server before them instead
     (stages/finetune/__init__.py: `run`), so the ranks it starts find a URL here."""
     engine = cfg.get("engine")
-    if engine is None or not engine.enabled or engine.server_url:
+    if engine is None or not engine.enabled:
         yield cfg
         return
     from stages.common.engines.vllm_states import states_server
     from stages.finetune import aux_layers_of, initial_config  # the package, loaded by now: no circle at import
 
+    if engine.server_url:  # one somebody started (the user, or the process that launched these ranks): checked
+        with states_server(engine, cfg.target, aux_layers_of(initial_config(cfg)), cfg.max_length, work / "engine"):
+            yield cfg
+        return
     host = socket.gethostname()
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
     folder = work / "engine" / (host if int(os.environ.get("SLURM_NNODES", "1")) > 1 else "")  # nodes share `work`

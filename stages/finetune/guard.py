@@ -135,18 +135,18 @@ PREFLIGHT = "preflight"  # metrics.jsonl's split of the preflight line
 def checked_once(cfg: DictConfig, drafter: Eagle3Drafter, own_map: VocabMap | None, training_map: VocabMap,
                  target: TargetModel | TargetHead, train_data: Rows, resumed_from: Path | None) -> dict[str, float]:
     """The preflight's figures, computed once per run by one rank where the drafter is (rank 0's first training
-    batch; every rank gets its figures, or its refusal), and read back from metrics.jsonl when a run resumes: the
-    guard decided at the run's start, and a resume on a 1T target's node must not wait on it again."""
-    logged = logged_preflight(resumed_from) if resumed_from is not None else None
-    if logged is not None:
-        return logged
+    batch), and read back from metrics.jsonl when a run resumes: the guard decided at the run's start, and a resume
+    on a 1T target's node must not wait on it again. Rank 0 alone reads or computes them, and every rank gets its
+    figures, or its refusal: the other ranks never read the log, which rank 0 rewrites as it resumes."""
     outcome: list[object] = [None]
     if int(os.environ.get("RANK", "0")) == 0:
-        first = next(micro_batches(train_data, cfg.micro_batch_size, 0, cfg.seed, 0, 1))
-        try:
-            outcome[0] = preflight(cfg, drafter, own_map, training_map, target, first).metrics()
-        except RegraftError as refused:
-            outcome[0] = refused
+        outcome[0] = logged_preflight(resumed_from) if resumed_from is not None else None
+        if outcome[0] is None:
+            first = next(micro_batches(train_data, cfg.micro_batch_size, 0, cfg.seed, 0, 1))
+            try:
+                outcome[0] = preflight(cfg, drafter, own_map, training_map, target, first).metrics()
+            except RegraftError as refused:
+                outcome[0] = refused
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.broadcast_object_list(outcome, src=0)
     if isinstance(outcome[0], RegraftError):
