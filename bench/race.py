@@ -1,26 +1,26 @@
-"""The race against its reference: the decision successive halving makes, the ranking every candidate trained to the
-full budget gives, and the share of that full compute the race spent, in the default world and the drifted one.
+"""The race against its reference: the decision successive halving makes (by the finalists' measured accept_len),
+every candidate trained to the full budget and measured as phase 1 is, ranked the same way with val loss beside,
+and the share of that full compute the race spent; per world kind and seed.
 
-    .venv/bin/python bench/race.py                      # default sizes: both worlds, about 10 minutes
-    .venv/bin/python bench/race.py --tiny               # debug=race (tests/test_race.py's sizes): about 2 minutes
-    .venv/bin/python bench/race.py --world-override world.rotate_b=1 --budget 48
-    .venv/bin/python bench/race.py --tiny --seeds 0,1,2 # the drifted world (rotate_b=1) on three seeds
-    .venv/bin/python bench/race.py --tiny --seeds 0,1,2,3,4 --world-override world.b_init=fresh \
-        --world-override world.b_style=reversed        # a given world on five seeds
-    ... --write NAME                                    # also write the table into the figures:NAME block
+    .venv/bin/python bench/race.py                      # default sizes: the default and drifted worlds, seed 0
+    .venv/bin/python bench/race.py --tiny               # debug=race (tests/test_race.py's sizes)
+    .venv/bin/python bench/race.py --tiny --seeds 0,1,2,3,4 --kind default= \
+        --kind fresh=world.b_init=fresh,world.b_style=words_reversed   # both kinds on five seeds
+    .venv/bin/python bench/race.py --world-override world.rotate_b=1 --budget 48   # one given world
+    ... --write NAME                                    # also write the tables into the figures:NAME block
                                                         # (README.md or docs/, wherever it stands; alias --readme)
 
-Each world runs `regraft pipeline.race=true` in-process (launcher=inline), then every candidate to the end from
-its own checkpoint folder (pipelines/race.py::every_candidate_to_the_end), each of them measured as phase 1 is (the
-probe stage on the eval sets: accept_len, the number a drafter is for) beside where it started (the preflight's
-step-0 loss, and full_acc_k of its first training batch before any update: fine-tunes here log every step); all
-cached in --outputs, so a rerun prints the tables at once.
+Each world runs `regraft pipeline.race=true` in-process (launcher=inline), then every candidate to the end from its
+own checkpoint folder and evaluated (pipelines/race.py::every_candidate_to_the_end) beside where it started (the
+preflight's step-0 loss, and full_acc_k of its first training batch before any update: fine-tunes here log every
+step); all cached in --outputs, so a rerun prints the tables at once. Columns of the main table: whether the race
+picked the family (right family) and the candidate (right candidate) the full budget ranks first by accept_len,
+and whether val loss at the full budget names the same family as accept_len (val loss agrees).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -30,13 +30,13 @@ from hydra import compose, initialize_config_dir
 from rich.console import Console
 from rich.table import Table
 
-from pipelines.dag import DIAGNOSE, evaluate_node
+from pipelines.dag import DIAGNOSE
 from pipelines.launchers import make_launcher
-from pipelines.race import base_nodes, candidates, rung_node, rung_runner
+from pipelines.race import Reference, every_candidate_to_the_end, rung_runner
 from pipelines.pipeline import run_pipeline
 from stages.common.contract.stage import CONF_DIR
 
-WORLDS = {"default": [], "drifted": ["world.rotate_b=1"]}
+KINDS = {"default": [], "drifted": ["world.rotate_b=1"]}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -53,38 +53,25 @@ class Measured:
 
 
 def race_world(outputs: Path, overrides: list[str], console: Console) -> tuple[dict, list[Measured], dict]:
+    """The race's summary, every candidate at the full budget (first by measured accept_len) and diagnose's
+    figures."""
     overrides = [f"paths.outputs={outputs}", f"paths.run={outputs / 'runs' / 'race'}", "launcher=inline",
                  "pipeline.race=true", "pipeline.probe=false", "finetune.log_every=1", *overrides]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     done = run_pipeline(cfg, outputs / "runs" / "race", overrides, console)
     run_rungs = rung_runner(cfg, make_launcher(cfg.launcher, outputs / "jobs"), None, console)
-    measured, diagnosed = every_candidate_measured(cfg, run_rungs)
-    return done.summary["race"], sorted(measured, key=lambda m: m.val_loss), diagnosed
+    measured = [measure(reference) for reference in every_candidate_to_the_end(cfg, run_rungs)]
+    diagnosed = done.summary["stages"].get(DIAGNOSE, {}).get("metrics", {})
+    return done.summary["race"], measured, diagnosed
 
 
-def every_candidate_measured(cfg, run_rungs) -> tuple[list[Measured], dict]:
-    """pipelines/race.py::every_candidate_to_the_end, each candidate then measured by an evaluate node; and
-    diagnose's figures (CKA) for the world."""
-    results = run_rungs(base_nodes(cfg), {})
-    pool = candidates(cfg)
-    whole = [rung_node(cfg, candidate, None, None) for candidate in pool]
-    results.update(run_rungs(whole, results))
-    probes = [evaluate_node(cfg, f"{node.name}_evaluate", results[node.name].out, "race") for node in whole]
-    results.update(run_rungs(probes, results))
-    measured = [measure(candidate.label, results[node.name], results[probe.name].metrics)
-                for candidate, node, probe in zip(pool, whole, probes)]
-    return measured, results[DIAGNOSE].metrics if DIAGNOSE in results else {}
-
-
-def measure(label: str, trained, probed: dict) -> Measured:
-    lines = [json.loads(line) for line in (Path(trained.out) / "metrics.jsonl").read_text().splitlines()]
+def measure(reference: Reference) -> Measured:
+    lines = [json.loads(line) for line in (Path(reference.out) / "metrics.jsonl").read_text().splitlines()]
     preflight = next(line for line in lines if line["split"] == "preflight")
     first = next((line for line in lines if line["split"] == "train" and line["step"] == 1 and "full_acc_0" in line),
                  {})
-    return Measured(label, trained.metrics.get("val_loss", math.inf), probed["accept_len"],
-                    {key.removeprefix("accept_len/"): value for key, value in probed.items()
-                     if key.startswith("accept_len/")},
+    return Measured(reference.label, reference.val_loss, reference.accept_len, reference.per_set,
                     preflight["preflight_loss_0"], [first[f"full_acc_{k}"] for k in range(len(first))
                                                     if f"full_acc_{k}" in first])
 
@@ -98,8 +85,28 @@ def yes_or_no(agrees: bool, answer: str) -> str:
     return f"yes ({answer})" if agrees else f"NO ({answer})"
 
 
-def best(ranking: list[tuple[str, float]], init: str) -> float:
-    return min(loss for label, loss in ranking if label.split()[0] == init)
+def best(measured: list[Measured], init: str) -> float:
+    return min(m.val_loss for m in measured if m.label.split()[0] == init)
+
+
+def race_row(world: str, race: dict, measured: list[Measured]) -> tuple[str, ...]:
+    """The race's answer against the full budget's (`measured`, first by accept_len) and val loss's."""
+    top, by_loss = measured[0], min(measured, key=lambda m: m.val_loss)
+    return (world, f"{race['winner']} ({race['decided_by'].replace('_', ' ')})",
+            f"{top.label}: {top.accept_len:.3f} (val loss {top.val_loss:.3f})",
+            yes_or_no(family_of(top.label) == family_of(race["winner"]), family_of(race["winner"])),
+            "yes" if top.label == race["winner"] else "no",
+            yes_or_no(family_of(by_loss.label) == family_of(top.label), family_of(by_loss.label)),
+            f"{race['steps_spent']} of {race['steps_all_to_the_end']} steps ({race['compute_share']:.0%})")
+
+
+def kinds_of(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The world kinds to run: --kind NAME=OVERRIDE,OVERRIDE (repeatable), one --world-override world, or both
+    default kinds."""
+    if args.kind:
+        return {name: [item for item in overrides.split(",") if item]
+                for name, _, overrides in (kind.partition("=") for kind in args.kind)}
+    return {"given": args.world_override} if args.world_override else KINDS
 
 
 def markdown(header: tuple[str, ...], rows: list[tuple[str, ...]], said: str) -> str:
@@ -121,62 +128,47 @@ def main() -> None:
     parser.add_argument("--outputs", type=Path, default=Path("outputs/bench_race"))
     parser.add_argument("--tiny", action="store_true", help="debug=race: the tiny world, trained enough to rank")
     parser.add_argument("--budget", type=int, default=None, help="race.budget_steps")
+    parser.add_argument("--kind", action="append", default=None, metavar="NAME=OVERRIDE,...",
+                        help="a world kind and its overrides (repeatable; NAME= for the default world)")
     parser.add_argument("--world-override", action="append", default=None,
                         help="run one world with these overrides instead of the default and drifted ones")
-    parser.add_argument("--seeds", help="the drifted world (world.rotate_b=1), or the --world-override one, on these "
-                        "world seeds, e.g. 0,1,2")
+    parser.add_argument("--seeds", help="every kind on these world seeds, e.g. 0,1,2,3,4 (default: its own seed)")
     parser.add_argument("--write", "--readme", metavar="NAME",
-                        help="also write the table into the <!-- figures:NAME --> block of README.md or docs/")
+                        help="also write the tables into the <!-- figures:NAME --> block of README.md or docs/")
     args = parser.parse_args()
     console = Console(width=120)
-    worlds = {"given": args.world_override} if args.world_override else WORLDS
-    if args.seeds:
-        given = args.world_override or ["world.rotate_b=1"]
-        worlds = {f"seed{seed}": [*given, f"world.seed={seed}"] for seed in args.seeds.split(",")}
-    common = (["debug=race"] if args.tiny else []) + \
-        ([f"race.budget_steps={args.budget}"] if args.budget else [])
-    table = Table(title="race vs every candidate to the end (ranked by val loss)", title_justify="left")
-    columns = ("world", "race winner", "full-budget ranking (val loss)", "same candidate", "same answer",
-               "compute spent")
-    for column in columns:
-        table.add_column(column)
+    seeds = args.seeds.split(",") if args.seeds else [None]
+    worlds = {(f"{kind} seed {seed}" if seed is not None else kind): [*overrides] + ([f"world.seed={seed}"] if seed
+                                                                                   is not None else [])
+              for kind, overrides in kinds_of(args).items() for seed in seeds}
+    common = (["debug=race"] if args.tiny else []) + ([f"race.budget_steps={args.budget}"] if args.budget else [])
     rows, shapes, verdicts, every = [], [], [], []
     for name, overrides in worlds.items():
-        race, measured, diagnosed = race_world(args.outputs / name, [*common, *overrides], console)
-        ranking = [(m.label, m.val_loss) for m in measured]
-        verdicts.append(verdict(name, measured, diagnosed))
-        every += [candidate_row(name, m) for m in measured]
+        race, measured, diagnosed = race_world(args.outputs / name.replace(" ", "_"), [*common, *overrides], console)
         console.print(f"{name}: {race['decision']}", highlight=False, soft_wrap=True)
-        rows.append((f"{name} (`{' '.join(overrides) or 'defaults'}`)", race["winner"],
-                     "; ".join(f"{label} {loss:.3f}" for label, loss in ranking),
-                     "yes" if ranking[0][0] == race["winner"] else "NO",
-                     yes_or_no(family_of(ranking[0][0]) == family_of(race["winner"]), family_of(race["winner"])),
-                     f"{race['steps_spent']} of {race['steps_all_to_the_end']} steps ({race['compute_share']:.0%})"))
-        table.add_row(*rows[-1])
-        shapes.append((name, *(f"{best(ranking, init):.3f}" for init in ("realign", "remap", "scratch")),
-                       "yes" if best(ranking, "scratch") < best(ranking, "remap") else "no"))
-    console.print(table)
-    for title, header, body in ((MEASURED_TITLE, MEASURED_COLUMNS, every), (VERDICT_TITLE, VERDICT_COLUMNS, verdicts)):
+        rows.append(race_row(name, race, measured))
+        verdicts.append(verdict(name, sorted(measured, key=lambda m: m.val_loss), diagnosed))
+        every += [candidate_row(name, m) for m in measured]
+        shapes.append((name, *(f"{best(measured, init):.3f}" for init in ("realign", "remap", "scratch")),
+                       "yes" if best(measured, "scratch") < best(measured, "remap") else "no"))
+    tables = [(RACE_TITLE, RACE_COLUMNS, rows), (MEASURED_TITLE, MEASURED_COLUMNS, every),
+              (VERDICT_TITLE, VERDICT_COLUMNS, verdicts), (SHAPE_TITLE, SHAPE_COLUMNS, shapes)]
+    for title, header, body in tables:
         console.print(rich_table(title, header, body))
-    if args.seeds:  # where the Kimi shape holds: scratch ends ahead of remap, realign ahead of both
-        shape = Table(title="the drifted world by seed: best val loss per init at the full budget", title_justify="left")
-        for column in SHAPE_COLUMNS:
-            shape.add_column(column)
-        for row in shapes:
-            shape.add_row(*row)
-        console.print(shape)
     if args.write:
         command = "bench/race.py " + " ".join(arg for arg in sys.argv[1:] if not arg.startswith(("--readme", "--write"))
                                               and arg != args.write)
         from figures import written  # bench/figures.py, beside this file
 
         said = f"{written(command)}; budget {race['budget_steps']} steps, on 2 cores."
-        block = markdown(columns, rows, said) + "\n" + markdown(VERDICT_COLUMNS, verdicts, said)
-        if args.seeds:
-            block = markdown(SHAPE_COLUMNS, shapes, said) + "\n" + block
-        write_block(args.write, block)
+        write_block(args.write, "\n".join(markdown(header, body, said) for title, header, body in tables
+                                          if title != MEASURED_TITLE))
 
 
+RACE_TITLE = "the race vs every candidate at the full budget, ranked by measured accept_len"
+RACE_COLUMNS = ("world", "race winner (decided by)", "full budget: first by accept_len", "right family",
+                "right candidate", "val loss agrees", "compute spent")
+SHAPE_TITLE = "best val loss per init at the full budget"
 SHAPE_COLUMNS = ("world", "realign", "remap", "scratch", "Kimi shape (scratch ahead of remap)")
 MEASURED_TITLE = "every candidate at the full budget, measured as phase 1 is"
 MEASURED_COLUMNS = ("world", "candidate", "val loss", "accept_len", "per set", "start: loss_0", "start: full_acc_k")

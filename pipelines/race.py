@@ -347,6 +347,8 @@ class Reference:
     label: str
     val_loss: float
     accept_len: float | None
+    per_set: dict[str, float] = field(default_factory=dict)  # its accept_len on each eval set
+    out: str = ""  # the fine-tune's output (its metrics.jsonl: where it started)
 
     @property
     def family(self) -> str:
@@ -361,13 +363,16 @@ def every_candidate_to_the_end(cfg: DictConfig, run_rungs) -> list[Reference]:
     results = run_rungs(base, {})
     whole = [rung_node(cfg, candidate, None, None) for candidate in candidates(cfg)]
     done = run_rungs(whole, results)
-    measured: dict[str, float | None] = {node.name: None for node in whole}
+    measured: dict[str, dict] = {node.name: {} for node in whole}
     if cfg.pipeline.evaluate:
         evaluations = {node.name: evaluate_node(cfg, f"{node.name}_evaluate", done[node.name].out, "race")
                        for node in whole}
         evaluated = run_rungs(list(evaluations.values()), {**results, **done})
-        measured = {name: evaluated[node.name].metrics.get("accept_len") for name, node in evaluations.items()}
-    references = [Reference(candidate.label, done[node.name].metrics.get("val_loss", math.inf), measured[node.name])
+        measured = {name: evaluated[node.name].metrics for name, node in evaluations.items()}
+    references = [Reference(candidate.label, done[node.name].metrics.get("val_loss", math.inf),
+                            measured[node.name].get("accept_len"),
+                            {key.removeprefix("accept_len/"): value for key, value in measured[node.name].items()
+                             if key.startswith("accept_len/")}, done[node.name].out)
                   for candidate, node in zip(candidates(cfg), whole)]
     if all(reference.accept_len is not None for reference in references):
         return sorted(references, key=lambda reference: (-reference.accept_len, reference.val_loss))
