@@ -131,6 +131,25 @@ def _stop(pid: int, marker: str, timeout_s: float = 10.0) -> None:
             time.sleep(0.1)
 
 
+def _daemon_alive(folder: Path, name: str) -> bool:
+    try:
+        pid = int((folder / f"{name}.pid").read_text())
+    except (OSError, ValueError):
+        return False
+    return _alive(pid) and str(folder) in _cmdline(pid)
+
+
+def _cancel_jobs(folder: Path) -> str:
+    """scancel a stale cluster's jobs; a controller that no longer answers (scancel retries it for minutes) is
+    noted and passed over, its daemons are stopped next either way."""
+    try:
+        subprocess.run(["scancel", "--quiet", f"--partition={PARTITION}"], capture_output=True, timeout=15,
+                       env={**os.environ, "SLURM_CONF": str(folder / "slurm.conf")})
+        return f"cancelled the jobs of {folder}"
+    except subprocess.TimeoutExpired:
+        return f"scancel gave up on {folder} after 15 s (its slurmctld does not answer)"
+
+
 def reap_stale(base: Path = BASE) -> list[str]:
     """Stop the daemons of crashed sessions (folder owner dead) and remove their folders; return what was done."""
     done = []
@@ -141,9 +160,10 @@ def reap_stale(base: Path = BASE) -> list[str]:
             owner = 0
         if owner and _alive(owner):
             continue  # another live session
-        if (folder / "slurm.conf").exists():  # its jobs first, so no slurmstepd outlives its slurmd
-            subprocess.run(["scancel", "--quiet", f"--partition={PARTITION}"], capture_output=True, timeout=15,
-                           env={**os.environ, "SLURM_CONF": str(folder / "slurm.conf")})
+        if not owner and time.time() - folder.stat().st_mtime < 60:
+            continue  # a session still writing its owner.pid
+        if (folder / "slurm.conf").exists() and _daemon_alive(folder, "slurmctld"):
+            done.append(_cancel_jobs(folder))  # its jobs first, so no slurmstepd outlives its slurmd
         for name in reversed(DAEMONS):
             try:
                 pid = int((folder / f"{name}.pid").read_text())
