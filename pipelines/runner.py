@@ -110,6 +110,13 @@ def versions_note(outcome: StageOutcome) -> str:
     return ", ".join(notes)
 
 
+def submit_error(exc: BaseException) -> str:
+    """A failed submit in one line: the launcher's own words (a RegraftError), else the exception's type and first
+    line (an sbatch that refused, a pickling error)."""
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return text if isinstance(exc, RegraftError) else f"{type(exc).__name__}: {text}"
+
+
 def pending(nodes: list[Node], keys: dict[str, str], cache_root: Path) -> list[Node]:
     """The nodes without a complete output now: what a run will dispatch unless a sweep member gets there first."""
     return [node for node in nodes if not is_complete(output_dir(cache_root, node.stage, keys[node.name]))]
@@ -167,7 +174,14 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: St
             return
         console.print(f"[cyan]{node.name:>18}[/cyan] dispatched ({keys[node.name]})", highlight=False)
         after = [running[up].job for up in node.upstream if up in running]
-        running[node.name] = Running(node, launcher.submit(node, config, after), run_id, started)
+        try:
+            job = launcher.submit(node, config, after)
+        except BaseException as exc:  # its run is open already: closed here, or the next command calls it KILLED
+            if tracker is not None and run_id is not None:
+                tracker.finish_stage(run_id, None, f"not submitted: {submit_error(exc)}",
+                                     status="KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+            raise
+        running[node.name] = Running(node, job, run_id, started)
 
     def collect(name: str, item: Running) -> None:
         del running[name]

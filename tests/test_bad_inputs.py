@@ -258,3 +258,22 @@ def test_printing_the_config_and_the_help_still_work(tmp_path):
     assert shown.returncode == 0 and "lr: 0.001" in shown.stdout, shown.stdout[-2000:]
     helped = regraft_command(tmp_path, "--help")
     assert helped.returncode == 0 and "== Configuration groups ==" in helped.stdout, helped.stdout[-2000:]
+
+
+def test_a_stage_that_cannot_be_submitted_leaves_no_run_running(inputs, tmp_path):
+    """The launcher refuses a job after the stage's MLflow run was opened (here its job folder cannot be made):
+    the run is closed FAILED with the reason, not left RUNNING for the next command to call KILLED."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "jobs").mkdir()
+    for stage in ("probe", "vocab_map", "compare", "remap", "diagnose", "features", "finetune", "baseline"):
+        (run_dir / "jobs" / stage).write_text("a file where the stage's job folder goes\n")
+    done = regraft(tmp_path / "outputs", inputs, f"paths.run={run_dir}")
+    lines = output_lines(done)
+    assert done.returncode == 1, lines[-5:]
+    runs = {run.data.tags.get("node", "pipeline"): run for run in mlflow_runs(tmp_path / "outputs")}
+    stages = {name: run for name, run in runs.items() if name != "pipeline"}
+    assert stages and {run.info.status for run in runs.values()} == {"FAILED"}, lines[-4:] or \
+        {name: run.info.status for name, run in runs.items()}
+    assert all(run.data.tags.get("error", "").startswith("not submitted: ") for run in stages.values()), \
+        {name: run.data.tags.get("error") for name, run in stages.items()}
