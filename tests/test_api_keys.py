@@ -121,7 +121,7 @@ def test_the_key_from_the_environment_is_sent_and_written_nowhere(keyed_server, 
 def test_a_wrong_key_ends_the_stage_at_once_naming_the_variable(keyed_server, given, tmp_path):
     url, log = keyed_server
     before = refusals(log)
-    done, seconds = regraft(tmp_path, given, url, WRONG)
+    done, _ = regraft(tmp_path, given, url, WRONG)
     lines = lines_of(done)
     assert done.returncode == 1, lines[-5:]
     assert lines[-2].startswith(f"error: regenerate: {DEFAULT_KEY_ENV} was refused by {url}/v1/models (HTTP 401"), \
@@ -129,7 +129,6 @@ def test_a_wrong_key_ends_the_stage_at_once_naming_the_variable(keyed_server, gi
     assert "(fix: export REGRAFT_API_KEY with the key the server was started with (--api-key)" in lines[-2]
     assert lines[-1].startswith("log: ") and "Traceback" not in done.stdout
     assert refusals(log) - before == 1  # asked once, never again
-    assert seconds < 45, seconds  # the command whole (its interpreter and the stage's job started): no retries
     assert not list(tmp_path.glob("cache/regenerate/*/manifest.json"))
     assert files_holding(tmp_path, WRONG, SECRET) == {WRONG: [], SECRET: []}
 
