@@ -133,6 +133,13 @@ BEFORE_ANY_WORK = [
      "tracking.uri=http://127.0.0.1:9: no MLflow server: it does not answer"),
     ("an outputs folder that cannot be written", ["paths.outputs=/dev/null/outputs"], {},
      "/dev/null/outputs: cannot be written"),
+    # /proc has no size: a folder it cannot hold is no full disk
+    ("an outputs folder on /proc", ["paths.outputs=/proc/regraft"], {},
+     "error: /proc/regraft: cannot be written (No such file or directory) (fix: point paths.outputs= at a folder you "
+     "can write)"),
+    ("a cache folder that cannot be written", ["paths.cache=/proc/regraft-cache"], {},
+     "error: /proc/regraft-cache: cannot be written (No such file or directory) (fix: point paths.cache= at a folder "
+     "you can write)"),
 ]
 
 
