@@ -7,6 +7,10 @@ Hydra reports a bad override in its own words, over several lines, ending with a
     finetune.lr=abc        -> finetune.lr=abc: finetune.lr takes a float > 0 (fix: e.g. finetune.lr=0.003)
     finetune.lrr=1         -> finetune.lrr=1: finetune has no setting lrr (fix: finetune.lr? ...)
     finetune.lr=[          -> finetune.lr=[: not an override Hydra can read (...) (fix: ...)
+    deepspeed.zero_stage=5 -> ...: the config has no setting deepspeed (fix: finetune.deepspeed.zero_stage=5? ...)
+
+It says the same of a mapping of a stage's settings that the stage's schema refuses once composed (the built-in
+source drafter's `source.build.finetune`, pipelines/dag.py): source.build.finetune.lr=abc -> ... takes a float > 0.
 
 A field's type is its schema's (pipelines/schema.py, each stage's config dataclass), bounds included (`setting`);
 a group's options are what Hydra finds for it (the files under conf/<group>/).
@@ -20,17 +24,18 @@ import typing
 from dataclasses import fields, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import hydra
 from hydra.core.config_loader import ConfigLoader
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig
 from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException,
                               ValidationError)
 
 from stages.common.engines.credentials import is_secret_name
 from stages.common.contract.errors import RegraftError
-from stages.common.contract.stage import BOUND_WORDS, CONF_DIR
+from stages.common.contract.stage import BOUND_WORDS, CONF_DIR, SCHEMAS
 
 GRAMMAR_FIX = "write key=value; quote a value with brackets, commas or spaces: key='...'"
 HYDRA_CODE = Path(hydra.__file__).parent
@@ -88,16 +93,75 @@ def missing_option(group: str, option: str, options: list[str]) -> RegraftError:
 
 
 def unknown_key(cause: OmegaConfBaseException, override: str) -> RegraftError:
+    """A key its parent does not have: the close names it does have, or where the whole dotted key lives (a group
+    placed under another's package: `deepspeed.zero_stage` is `finetune.deepspeed.zero_stage`). A mapping takes
+    new keys with `+`: said for a key it takes (its field's `settings_of` schema has it), or any key when it says
+    nothing of what it takes and holds no close one."""
     parent, _, key = cause.full_key.rpartition(".")
-    names = setting_names(cause)
+    mapping = parent and setting_schema(cause) is None
+    schema = setting_schema(cause) or mapping_takes(cause)
+    names = field_names(schema) if schema is not None else setting_names(cause)
     close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    if mapping and (key in names if schema is not None else not close):
+        return RegraftError(hidden(override), f"{parent} has no setting {key} yet",
+                            f"{hidden('+' + override.lstrip('+'))} adds it")
     dotted = [f"{parent}.{name}" if parent else name for name in close]
+    given, equals, value = override.lstrip("+").partition("=")
+    dotted += [f"{path}{equals}{value}" for path in placed_elsewhere(cause, given)]
+    package = stage_of(schema) or parent
     if len(names) <= ALL_KEYS_LISTED:
         listed = f"its settings: {', '.join(names)}"
     else:
-        listed = f"`regraft --cfg job{f' --package {parent}' if parent else ''}` lists every one"
-    guess = f"{' or '.join(dotted)}? " if dotted else ""
+        listed = f"`regraft --cfg job{f' --package {package}' if package else ''}` lists every one"
+    guess = f"{' or '.join(hidden(guess) for guess in dotted)}? " if dotted else ""
     return RegraftError(hidden(override), f"{parent or 'the config'} has no setting {key}", f"{guess}{listed}")
+
+
+def field_names(schema: type) -> list[str]:
+    return [spec.name for spec in fields(schema)]
+
+
+def stage_of(schema: type | None) -> str | None:
+    """The stage whose config `schema` is (its `--cfg job --package`), if it is a stage's."""
+    return next((stage for stage, known in SCHEMAS.items() if known is schema and (CONF_DIR / stage).is_dir()), None)
+
+
+def mapping_takes(cause: OmegaConfBaseException) -> type | None:
+    """The stage schema whose settings a plain mapping takes: its field's `settings_of` (source.build.finetune
+    takes the finetune stage's); None when it says none."""
+    mapping = getattr(cause, "parent_node", None)
+    owner = mapping._get_parent() if mapping is not None else None
+    schema = getattr(getattr(owner, "_metadata", None), "object_type", None)
+    if not (isinstance(schema, type) and is_dataclass(schema)):
+        return None
+    spec = next((spec for spec in fields(schema) if spec.name == mapping._key()), None)
+    return SCHEMAS.get(spec.metadata.get("settings_of", "")) if spec is not None else None
+
+
+# a key given at the wrong depth is looked for elsewhere only while it names this few settings
+ELSEWHERE_AT_MOST = 3
+
+
+def placed_elsewhere(cause: OmegaConfBaseException, given: str) -> list[str]:
+    """Every setting of the whole config whose dotted name ends with the one given (Hydra's own settings left out):
+    where a key given at the wrong depth lives, when that is a few places."""
+    root = getattr(cause, "parent_node", None)
+    while root is not None and root._get_parent() is not None:
+        root = root._get_parent()
+    if not isinstance(root, DictConfig):
+        return []
+    found = [path for path in setting_paths(root) if path.endswith(f".{given}") and not path.startswith("hydra.")]
+    return found if len(found) <= ELSEWHERE_AT_MOST else []
+
+
+def setting_paths(node: DictConfig, prefix: str = "") -> Iterator[str]:
+    """The dotted name of every key under `node`, read without resolving a value."""
+    for key in node.keys():
+        path, child = f"{prefix}{key}", node._get_node(key)
+        yield path
+        if isinstance(child, DictConfig) and not (child._is_missing() or child._is_none() or
+                                                  child._is_interpolation()):
+            yield from setting_paths(child, f"{path}.")
 
 
 def given_override(exc: BaseException, cause: OmegaConfBaseException) -> str:
@@ -106,11 +170,17 @@ def given_override(exc: BaseException, cause: OmegaConfBaseException) -> str:
     return found.group(1) if found else cause.full_key
 
 
+def setting_schema(cause: OmegaConfBaseException) -> type | None:
+    """The schema (a dataclass) of the failing key's parent; None for a plain mapping."""
+    schema = getattr(cause, "object_type", None)
+    return schema if isinstance(schema, type) and is_dataclass(schema) else None
+
+
 def setting_names(cause: OmegaConfBaseException) -> list[str]:
     """The keys the parent of the failing key has: its schema's fields, else the keys it holds."""
-    schema = getattr(cause, "object_type", None)
-    if isinstance(schema, type) and is_dataclass(schema):
-        return [spec.name for spec in fields(schema)]
+    schema = setting_schema(cause)
+    if schema is not None:
+        return field_names(schema)
     parent = getattr(cause, "parent_node", None)
     return [str(name) for name in parent.keys()] if parent is not None and hasattr(parent, "keys") else []
 

@@ -149,13 +149,15 @@ def source_nodes(build: DictConfig) -> list[Node]:
 
 
 def built_finetune(settings: dict[str, Any]) -> DictConfig:
-    """The finetune stage's defaults with `settings` on top, checked against its schema (a typo is refused here)."""
+    """The finetune stage's defaults with `settings` on top, checked against its schema: a key it has not or a value
+    of the wrong type raises OmegaConf's error, keyed as source.build.finetune.<key> (pipelines/config_errors.py
+    says it as a composition error)."""
     config = stage_defaults("finetune")
     try:
         config.merge_with({**settings, "init": "scratch"})
     except OmegaConfBaseException as error:
-        raise RegraftError("conf/source/toy.yaml", f"source.build.finetune: {error.msg.splitlines()[0]}",
-                           "use the keys and types of the finetune stage (regraft --cfg job --package finetune)")
+        error.full_key = f"source.build.finetune.{error.full_key}"  # named where it is set: the command says it
+        raise
     return config
 
 

@@ -4,7 +4,7 @@ naming it and the fix, not after an hour of upstream stages with a traceback.
 - no setting holds a key, token or password, and no URL credentials (stages/common/engines/credentials.py): checked by a
   Hydra callback before `.hydra/` is written, so a refused secret reaches no file;
 - every setting's bounds and cross-field rules (the schemas' `setting`s and checks, stages/common/contract/stage.py);
-- the outputs folder can be written, the MLflow tracking server answers;
+- the outputs and cache folders can be written, the MLflow tracking server answers;
 - every input given as a path exists; chat files are not empty and start with a chat line;
 - a given source drafter is a readable checkpoint (its config and tensor headers) that fits a given target (hidden
   size, vocab size where the probe needs it); draft vocab sizes fit the target vocab;
@@ -41,18 +41,24 @@ def given(value: str | None) -> bool:
 
 
 def check_outputs_writable(cfg: DictConfig) -> None:
-    """paths.outputs can be written, and it and paths.cache have room (else the full-disk line, before Hydra
-    writes the run folder)."""
-    outputs = Path(cfg.paths.outputs)
+    """paths.outputs and paths.cache can be written and have room (else the full-disk line), before Hydra writes
+    the run folder."""
+    for key in ("outputs", "cache"):
+        check_writable(Path(cfg.paths[key]), f"paths.{key}")
+        check_room(Path(cfg.paths[key]))
+
+
+def check_writable(folder: Path, key: str) -> None:
+    """The folder exists or can be made, and a file can be written in it: else why not (a full disk, a missing or
+    read-only filesystem, no permission), naming the folder and the setting that moves it."""
     try:
-        outputs.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=outputs, prefix=".write-check-"):
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
             pass
     except OSError as exc:
-        raise disk_full(exc, outputs) or RegraftError(outputs, f"cannot be written ({exc.strerror or exc})",
-                                                      "point paths.outputs= at a folder you can write") from None
-    for folder in (outputs, Path(cfg.paths.cache)):
-        check_room(folder)
+        where = f": {exc.filename}" if exc.filename and Path(exc.filename) != folder else ""
+        raise disk_full(exc, folder) or RegraftError(folder, f"cannot be written ({exc.strerror or exc}{where})",
+                                                     f"point {key}= at a folder you can write") from None
 
 
 def check_tracking_reachable(cfg: DictConfig, timeout_s: float = 5.0) -> None:

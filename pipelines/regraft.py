@@ -33,6 +33,7 @@ import hydra
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
@@ -58,6 +59,8 @@ def report_and_exit(exc: BaseException, console: Console, run_dir: Path | None) 
         sys.exit(130)
     if not isinstance(exc, Exception):  # SystemExit and the like: as they are
         raise exc
+    if isinstance(exc, OmegaConfBaseException):  # a setting a stage's schema refused once composed (pipelines/dag.py)
+        exc = composition_error(exc)
     exc = (stage_disk_full(exc) if isinstance(exc, StageFailed) else disk_full(exc, run_dir)) or exc
     if isinstance(exc, StageFailed):  # the stage's own line, then where its whole log is
         say_error(console, f"{exc.node}: {exc.line}")

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from stages.common.contract.errors import RegraftError
-from stages.common.contract.stage import CHECKS, register_schema, setting
+from stages.common.contract.stage import CHECKS, check_config, register_schema, setting
 from stages.common.data.chat_prompts import EvalSet, check_eval_sets
 from stages.common.drafter.config import check_family
 from stages.schemas.compare import CompareConfig
@@ -45,7 +45,8 @@ class SourceBuild:
     data: str = "@world/data_a.jsonl"
     draft_vocab_size: int = setting(1024, at_least=1)
     family: str = "eagle3"  # eagle3 | eagle3.1 | mla | mla3.1 (stages/common/drafter/config.py FAMILY_FLAGS)
-    finetune: dict[str, Any] = field(default_factory=dict)
+    # keys of the finetune stage (settings_of: what an unknown key is held against, pipelines/config_errors.py)
+    finetune: dict[str, Any] = field(default_factory=dict, metadata={"settings_of": "finetune"})
 
 
 @dataclass
@@ -58,15 +59,22 @@ class SourceConfig:
     # None: build.target for the built-in drafter (path @source_drafter/...), else unknown (diagnose then gives what it can without it)
 
 
-def check_source_family(cfg, where: str) -> None:
-    """A family the user names for the source (or its build) is one regraft builds, named as the user wrote it."""
+def check_source(cfg, where: str) -> None:
+    """A family the user names for the source (or its build) is one regraft builds, named as the user wrote it; the
+    build's fine-tune settings keep the finetune stage's bounds, named where they are set (source.build.finetune.lr),
+    not as the pipeline's own fine-tune (finetune.lr), which the source's build never reads."""
     named = {f"{where}.build.family": cfg.build.get("family")} if cfg.get("build") is not None else {}
     named[f"{where}.family"] = cfg.get("family")  # the build's, unless set: the build is named first
     for key, family in named.items():
         check_family(key, family)
+    if cfg.get("build") is not None:
+        from pipelines.dag import built_finetune
+
+        settings = OmegaConf.to_container(cfg.build.finetune, resolve=True)
+        check_config(built_finetune(settings), FinetuneConfig, f"{where}.build.finetune")
 
 
-CHECKS[SourceConfig] = check_source_family
+CHECKS[SourceConfig] = check_source
 
 
 @dataclass

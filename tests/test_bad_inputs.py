@@ -133,6 +133,13 @@ BEFORE_ANY_WORK = [
      "tracking.uri=http://127.0.0.1:9: no MLflow server: it does not answer"),
     ("an outputs folder that cannot be written", ["paths.outputs=/dev/null/outputs"], {},
      "/dev/null/outputs: cannot be written"),
+    # /proc has no size: a folder it cannot hold is no full disk
+    ("an outputs folder on /proc", ["paths.outputs=/proc/regraft"], {},
+     "error: /proc/regraft: cannot be written (No such file or directory) (fix: point paths.outputs= at a folder you "
+     "can write)"),
+    ("a cache folder that cannot be written", ["paths.cache=/proc/regraft-cache"], {},
+     "error: /proc/regraft-cache: cannot be written (No such file or directory) (fix: point paths.cache= at a folder "
+     "you can write)"),
 ]
 
 
@@ -200,6 +207,7 @@ def test_a_crash_that_is_no_input_regraft_checks_ends_as_one_line_inline(inputs,
 
 # (case, command line, the whole output: one line of regraft's naming the key and what it takes); all fail composing
 # the config, before Hydra makes a run folder, except the optional group (Hydra skips its missing option silently)
+# and the source build's fine-tune settings (a mapping, held against the finetune stage's schema as the DAG is built)
 NOT_COMPOSED = [
     ("a float given a word", ["finetune.lr=abc"],
      "error: finetune.lr=abc: finetune.lr takes a float > 0 (fix: e.g. finetune.lr=0.003)"),
@@ -223,6 +231,20 @@ NOT_COMPOSED = [
     ("an optional group's option that does not exist", ["experiment=kimi_k2"],
      "error: experiment=kimi_k2: not an option of experiment (fix: choose one of kimi_k25: the files in "
      "conf/experiment/)"),
+    ("a float given a word in a mapping of a stage's settings", ["source.build.finetune.lr=abc"],
+     "error: source.build.finetune.lr=abc: source.build.finetune.lr takes a float > 0 (fix: e.g. "
+     "source.build.finetune.lr=0.0001)"),
+    ("a bound broken in a mapping of a stage's settings", ["source.build.finetune.lr=-1"],
+     "error: source.build.finetune.lr=-1.0: must be > 0 (fix: set source.build.finetune.lr= to a value > 0)"),
+    ("a key a mapping of a stage's settings does not take", ["source.build.finetune.lrr=1"],
+     "error: source.build.finetune.lrr=1: source.build.finetune has no setting lrr (fix: source.build.finetune.lr? "
+     "`regraft --cfg job --package finetune` lists every one)"),
+    ("a setting the mapping takes but does not hold yet", ["source.build.finetune.deepspeed.zero_stage=2"],
+     "error: source.build.finetune.deepspeed.zero_stage=2: source.build.finetune has no setting deepspeed yet (fix: "
+     "+source.build.finetune.deepspeed.zero_stage=2 adds it)"),
+    ("a group's setting given under the group's name, not its package", ["deepspeed.zero_stage=5"],
+     "error: deepspeed.zero_stage=5: the config has no setting deepspeed (fix: finetune.deepspeed.zero_stage=5? "
+     "`regraft --cfg job` lists every one)"),
     ("a sweep with one value of the wrong type", ["-m", "finetune.lr=1e-3,abc"],
      "error: finetune.lr=abc: finetune.lr takes a float > 0 (fix: e.g. finetune.lr=0.003)"),
     ("a sweep with an optional group's option that does not exist", ["-m", "finetune.lr=1e-3,3e-3", "experiment=nope"],

@@ -126,6 +126,37 @@ def test_a_write_error_names_its_file_or_else_the_folder_being_written(tmp_path)
     assert disk_full(ValueError("shapes differ"), tmp_path) is None  # a disk with room: a crash stays a crash
 
 
+@pytest.fixture
+def nearly_full_disks(monkeypatch):
+    """Every filesystem reports 1 KiB free of 1 GiB (a disk that is full, for the checks that ask)."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**30, 2**30 - 1024, 1024))
+
+
+def test_a_full_disk_is_said_only_for_want_of_space(tmp_path, nearly_full_disks):
+    """An error with no errno counts on a (nearly) full filesystem where the folder, or the one it is made in, is;
+    any other errno (a missing folder, a filesystem that refuses it) is never a full disk, full or not."""
+    from stages.common.contract.errors import disk_full
+
+    iostream = RuntimeError("basic_ios::clear: iostream error")
+    assert str(disk_full(iostream, tmp_path)).startswith(f"{tmp_path}: no space left on device")
+    assert str(disk_full(iostream, tmp_path / "out")).startswith(f"{tmp_path / 'out'}: no space left on device")
+    assert disk_full(iostream, tmp_path / "gone" / "out") is None  # neither it nor its folder is there
+    missing = OSError(errno.ENOENT, "No such file or directory", "/proc/regraft")
+    assert disk_full(missing, Path("/proc/regraft")) is None
+    read_only = OSError(errno.EROFS, "Read-only file system", str(tmp_path / "a.bin"))
+    assert disk_full(read_only, tmp_path) is None
+
+
+def test_a_filesystem_of_no_size_is_never_full(tmp_path):
+    from stages.common.contract.errors import check_room, disk_full, nearly_full
+
+    assert not nearly_full(Path("/proc/regraft")) and not nearly_full(Path("/sys"))
+    check_room(Path("/proc/regraft"))  # no refusal: writing there fails on its own, with its own line
+    assert disk_full(RuntimeError("iostream error"), Path("/proc")) is None
+
+
 def test_a_stage_that_fills_the_disk_leaves_the_line_and_raises_it(tmp_path, capsys):
     from pipelines.jobs import STAGE_ERROR, reported_error, reporting_failure
     from stages.common.contract.errors import RegraftError

@@ -39,7 +39,8 @@ NEARLY_FULL_BYTES = 1 << 20
 def disk_full(exc: BaseException, folder: str | Path | None) -> RegraftError | None:
     """`exc` as the full-disk line when a write failed for want of space or quota anywhere in its chain (the path:
     the OSError's file when it names one, else `folder`, the one being written); None for any other error.
-    An exception that names no errno counts when `folder`'s filesystem is (nearly) full now."""
+    An exception that names no errno at all counts when `folder` (or the folder it is made in) exists on a
+    filesystem that is (nearly) full now; one with another errno (a missing folder, a read-only one) never does."""
     if isinstance(exc, RegraftError) and said_disk_full(str(exc)):
         return exc  # a stage's own full-disk line, already naming its path
     for link in chain_of(exc):
@@ -47,9 +48,10 @@ def disk_full(exc: BaseException, folder: str | Path | None) -> RegraftError | N
         if number is not None:
             path = link.filename if isinstance(link, OSError) and link.filename else folder
             return RegraftError(path, DISK_FULL[number], DISK_FULL_FIX)
-    if not isinstance(exc, RegraftError) and folder is not None and nearly_full(Path(folder)):
-        return RegraftError(folder, DISK_FULL[errno.ENOSPC], DISK_FULL_FIX)
-    return None
+    if isinstance(exc, RegraftError) or any(errno_of(link) for link in chain_of(exc)) or folder is None:
+        return None
+    written = next((path for path in (Path(folder), Path(folder).parent) if path.is_dir()), None)
+    return RegraftError(folder, DISK_FULL[errno.ENOSPC], DISK_FULL_FIX) if written and nearly_full(written) else None
 
 
 def said_disk_full(line: str) -> bool:
@@ -74,13 +76,20 @@ def full_errno(exc: BaseException) -> int | None:
     return next((number for words, number in DISK_FULL_WORDS.items() if words in text), None)
 
 
+def errno_of(exc: BaseException) -> int | None:
+    """The errno an OSError names (None for one without, and for any other exception)."""
+    return exc.errno if isinstance(exc, OSError) else None
+
+
 def nearly_full(folder: Path) -> bool:
-    """Whether the filesystem of `folder` (or of its nearest existing parent) has almost nothing left for us."""
+    """Whether the filesystem of `folder` (or of its nearest existing parent) has almost nothing left for us. A
+    filesystem of no size at all (/proc, /sys) holds no files of ours, full or not: never counted as full."""
     existing = next((path for path in (folder, *folder.parents) if path.exists()), None)
     try:
-        return existing is not None and shutil.disk_usage(existing).free < NEARLY_FULL_BYTES
+        usage = shutil.disk_usage(existing) if existing is not None else None
     except OSError:
         return False
+    return usage is not None and usage.total > 0 and usage.free < NEARLY_FULL_BYTES
 
 
 def check_room(folder: Path) -> None:
