@@ -44,6 +44,7 @@ from stages.finetune.device import deepspeed_devices, node_states_server, traini
 from stages.finetune.acceptance import EVAL
 from stages.finetune.guard import PREFLIGHT, checked_once
 from stages.finetune.loop import MetricsLog, Preempted, Progress, split, train, uses_bf16
+from stages.finetune.op_builds import take_over_stale_build_locks
 from stages.schemas.finetune import FinetuneConfig, Init, SelectBy, Spawn, check_ranks
 
 __all__ = ["FinetuneConfig", "Preempted", "check_ranks", "init_distributed", "run", "run_rank"]  # what pipelines/jobs.py calls
@@ -155,6 +156,7 @@ def init_distributed(launched: bool, seed: int, device: Device | str = Device.au
     if rank_device.type == "cuda":
         torch.cuda.set_device(rank_device)
     use_built_cpu_ops(rank_device)
+    take_over_stale_build_locks()  # before the first op load, which would wait on a killed build's lock forever
     import deepspeed
 
     if not torch.distributed.is_initialized():
