@@ -14,6 +14,7 @@ What needs a stage's output (a map built from data, the world's models) is check
 """
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import urllib.error
@@ -93,18 +94,46 @@ def check_given_inputs(cfg: DictConfig) -> None:
                                f"point {setting} at it, or use the built-in example ({key.split('.')[0]}=toy)")
     for key, value in given_inputs(cfg):
         if key.startswith("data.") and given(value):
-            check_chat_file(Path(value), key)
+            # the training chats are learned from their assistant turns, unless the target writes them anew
+            check_chat_file(Path(value), key, needs_answers=key == "data.train" and not cfg.pipeline.regenerate)
 
 
-def check_chat_file(path: Path, key: str) -> None:
-    """Not empty, and the first chat line reads (a bad later line is found by the stage that reads it)."""
+def check_chat_file(path: Path, key: str, needs_answers: bool = False) -> None:
+    """Not empty, every line a chat (the first bad one named by file and line), and, `needs_answers`, some assistant
+    turn with text in it. Each line is parsed here, once: about 1 s per 100 MB of chats, against a stage job that
+    would find a bad line at its end."""
     if path.is_dir():
         raise RegraftError(path, f"{key} is a folder", f"point {key}= at a JSONL file of chats")
-    if not any(line.strip() for line in path.open(errors="replace")):
-        raise RegraftError(path, "is empty", f"point {key}= at a JSONL file with one {{\"messages\": [...]}} per line")
-    from stages.common.data.chat import read_conversations  # torch: only for data given by path
+    from stages.common.data.chat import read_chat_records  # torch: only for data given by path
 
-    next(read_conversations(path))
+    conversations = answers = 0
+    for _, record in read_chat_records(path):
+        conversations += 1
+        answers += any(m["role"] == "assistant" and m["content"].strip() for m in record["messages"])
+    if not conversations:
+        raise RegraftError(path, "is empty", f"point {key}= at a JSONL file with one {{\"messages\": [...]}} per line")
+    if needs_answers and not answers:
+        raise RegraftError(path, f"no assistant turns in its {conversations} conversations",
+                           "the chats need assistant turns, whose tokens the drafter learns; or set "
+                           "pipeline.regenerate=true to have the target answer them")
+
+
+def check_chat_template(cfg: DictConfig) -> None:
+    """A target given by path renders chats with its tokenizer's chat template (tokenizer_config.json's
+    `chat_template`, or a chat_template.jinja / .json beside it, as transformers reads them)."""
+    if not given(cfg.target.path):
+        return
+    folder = Path(cfg.target.path)
+    config = folder / "tokenizer_config.json"
+    if any((folder / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return
+    try:
+        if json.loads(config.read_text()).get("chat_template"):
+            return
+    except (OSError, ValueError):
+        pass  # no tokenizer config, or none that reads: said as no template, the tokenizer load says the rest
+    raise RegraftError(folder, "its tokenizer has no chat template",
+                       "add chat_template to tokenizer_config.json (or a chat_template.jinja beside it)")
 
 
 def target_facts(cfg: DictConfig) -> dict | None:
@@ -177,7 +206,8 @@ def checks_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launche
     checks: list[Callable[[], None]] = [
         lambda: refuse_secrets(cfg), lambda: check_config(cfg, RegraftConfig, ""),
         lambda: launcher.check_machine(planning), lambda: check_outputs_writable(cfg),
-        lambda: check_tracking_reachable(cfg), lambda: check_given_inputs(cfg), lambda: check_models(cfg)]
+        lambda: check_tracking_reachable(cfg), lambda: check_given_inputs(cfg), lambda: check_chat_template(cfg),
+        lambda: check_models(cfg)]
     for node in nodes:
         checks.append(lambda node=node: launcher.check(node, OmegaConf.to_container(node.config, resolve=True,
                                                                                      enum_to_str=True)))

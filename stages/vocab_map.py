@@ -132,6 +132,10 @@ def run(cfg: DictConfig) -> StageResult:
     if tally.conversations == 0:
         raise RegraftError(data, "is empty", 'give data= a JSONL file with one {"messages": [...]} per line')
     assistant_tokens = int(tally.counts.sum())
+    if assistant_tokens == 0 and cfg.max_length is not None:  # the preflight saw assistant turns: cut away here
+        raise RegraftError(data, f"no assistant tokens in its {tally.conversations} conversations cut to "
+                           f"max_length={cfg.max_length} tokens", "raise max_length: every assistant turn starts "
+                           "past it")
     if assistant_tokens == 0:
         raise RegraftError(data, f"no assistant tokens in its {tally.conversations} conversations",
                            "the chats need assistant turns: only their tokens are counted")

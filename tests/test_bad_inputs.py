@@ -7,6 +7,7 @@ something goes wrong") lists the same cases.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -46,11 +47,19 @@ def inputs(target_dir, tokenizer_dir, chats, vocab_size, tmp_path_factory) -> di
     (root / "empty.jsonl").write_text("\n")
     (root / "not_chats.jsonl").write_text('{"text": "no messages key"}\n')
     write_chats(root / "users_only.jsonl", [[("user", "alpha bravo")], [("user", "charlie")]] * 8)
+    bad_later = root / "bad_later.jsonl"
+    bad_later.write_text(chats.read_text().splitlines(keepends=True)[0] * 2 + '{"messages": [{"role": "user"\n')
+    no_template = root / "no_template_target"
+    shutil.copytree(target_dir, no_template)
+    (no_template / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((no_template / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (root / "not_a_drafter").mkdir()
     broken_target = root / "broken_target"
     shutil.copytree(target_dir, broken_target)
     (broken_target / "config.json").write_text('{"text_config": {"model_type": "kimi_k2"')
-    return {"broken_target": broken_target, "target": target_dir, "drafter": drafter, "wide_drafter": wide_drafter, "corrupt": corrupt,
+    return {"no_template_target": no_template, "broken_target": broken_target, "target": target_dir, "drafter": drafter, "wide_drafter": wide_drafter, "corrupt": corrupt,
             "no_map": no_map, "chats": chats, "root": root}
 
 
@@ -121,6 +130,12 @@ BEFORE_ANY_WORK = [
     ("an empty chat file", [], {"data__train": "empty.jsonl"}, "empty.jsonl: is empty (fix: point data.train="),
     ("a missing chat file", [], {"data__train": "nowhere.jsonl"}, "nowhere.jsonl: data.train does not exist"),
     ("a file that is not chats", [], {"data__train": "not_chats.jsonl"}, "not_chats.jsonl:1: not a chat line"),
+    ("a chat file with a bad line past its first", [], {"data__train": "bad_later.jsonl"},
+     "bad_later.jsonl:3: not a chat line (JSONDecodeError"),
+    ("chats with no assistant turn", [], {"data__train": "users_only.jsonl"},
+     "users_only.jsonl: no assistant turns in its 16 conversations (fix: the chats need assistant turns"),
+    ("a target whose tokenizer has no chat template", [], {"target__path": "no_template_target"},
+     "no_template_target: its tokenizer has no chat template (fix: add chat_template to tokenizer_config.json"),
     ("a target whose config.json is cut short", [], {"target__path": "broken_target"},
      "broken_target/config.json: invalid JSON (Expecting"),
     ("a folder that is not a drafter", [], {"source__path": "not_a_drafter"},
@@ -162,12 +177,13 @@ def test_a_typo_in_a_setting_fails_at_composition(inputs, tmp_path):
 
 
 def test_a_failing_stage_ends_the_run_with_its_own_line_and_its_log(inputs, tmp_path):
-    """Chats without assistant turns: vocab_map fails in its job while its sibling stages run and are cancelled."""
-    done = regraft(tmp_path, inputs, data__train=inputs["root"] / "users_only.jsonl")
+    """Chats cut before their assistant turns (vocab_map.max_length shorter than any prompt): vocab_map fails in its
+    job while its sibling stages run and are cancelled."""
+    done = regraft(tmp_path, inputs, "vocab_map.max_length=4")
     lines = output_lines(done)
     assert done.returncode == 1, lines[-5:]
-    assert lines[-2].startswith("error: vocab_map: ") and "users_only.jsonl: no assistant tokens in its 16 " \
-        "conversations (fix: the chats need assistant turns" in lines[-2], lines[-3:]
+    assert lines[-2].startswith("error: vocab_map: ") and f"{inputs['chats'].name}: no assistant tokens in its " \
+        in lines[-2] and "cut to max_length=4 tokens (fix: raise max_length" in lines[-2], lines[-3:]
     log = Path(lines[-1].removeprefix("log: "))
     assert lines[-1].startswith("log: ") and log.exists() and "no assistant tokens" in log.read_text()
     assert "Traceback" not in done.stdout  # neither the stage's nor a cancelled sibling's
