@@ -7,12 +7,14 @@ stage never waits on the store; what a store that stopped answering did not take
   of the process, and every later record goes to the letter's file in `tracking.outbox` (`<outputs>/outbox`).
 - The next regraft command on that store (or `python -m pipelines.outbox <folder>`) sends each kept letter whose
   process is gone, in order, into the same runs, then closes runs that a gone process left RUNNING as KILLED
-  (tag `closed_because`), and says in one line what it sent and what it closed.
+  (tag `closed_because`), and says in one line what it sent and what it closed. The command does so in the store
+  beside the folder and those named by `--uri` too, with nothing kept.
 - A process is known by host, pid and start time (tags `regraft.host`, `regraft.pid`, `regraft.started` on every
   run), so a reused pid is not mistaken for the owner; runs another host left are not judged from here.
 """
 from __future__ import annotations
 
+import argparse
 import atexit
 import itertools
 import json
@@ -32,13 +34,14 @@ from rich.console import Console
 
 from pipelines.store import EXPERIMENT_NOTE, StoreWriter, repair_store, store_lock
 from stages.common.contract.artifacts import write_json_atomic
-from stages.common.contract.errors import RegraftError
+from stages.common.contract.errors import RegraftError, chain_of
 
 if TYPE_CHECKING:
     from pipelines.store_agent import AgentOutbox
 
 OWNER_TAGS = ("regraft.host", "regraft.pid", "regraft.started")
 KEPT_PATTERN = "*.json"
+LETTER_SETTINGS = ("uri", "experiment", "artifact_location", "max_artifact_mb", "copy_checkpoints")  # its store's
 
 
 def owner_tags(pid: int | None = None) -> dict[str, str]:
@@ -64,9 +67,25 @@ def owner_gone(owner: dict[str, str]) -> bool:
     return f"{started:.2f}" != owner.get("regraft.started")
 
 
+# an outage is said within a line of the terminal's; longer words are cut at a word, never inside one
+REASON_CHARACTERS = 300
+
+
 def first_line(exc: BaseException) -> str:
-    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-    return f"{type(exc).__name__}: {text}"[:300]
+    """`Type: message` on one line, in whole words. An exception that quotes the one it was raised from (MLflow's
+    `API request to URL failed with exception <requests' error, which quotes urllib3's, ...>`) has that quote
+    replaced by the root of the chain (`ConnectionRefusedError: [Errno 111] Connection refused`)."""
+    text = line_of(exc)
+    quoted = exc.__cause__ or exc.__context__
+    if quoted is not None and line_of(quoted) and line_of(quoted) in text:
+        root = list(chain_of(exc))[-1]
+        text = text.replace(line_of(quoted), f"{type(root).__name__}: {line_of(root)}")
+    said = f"{type(exc).__name__}: {text}"
+    return said if len(said) <= REASON_CHARACTERS else said[:REASON_CHARACTERS].rsplit(" ", 1)[0] + " ..."
+
+
+def line_of(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
 
 
 def outbox_dir(cfg: DictConfig) -> Path:
@@ -74,9 +93,12 @@ def outbox_dir(cfg: DictConfig) -> Path:
 
 
 def quick_http(cfg: DictConfig) -> None:
-    """MLflow's http client retries a call for about 4.5 minutes by default; a run must not wait that long."""
+    """MLflow's http client retries a call for about 4.5 minutes by default; a run must not wait that long. Nor
+    print: against a server, MLflow writes two lines to stdout for every run it ends (and asks the server for the
+    run to write them), where regraft says one line of its own."""
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(cfg.get("timeout_s", 10)))
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(int(cfg.get("retries", 1)))
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
 
 @dataclass
@@ -204,9 +226,7 @@ class Outbox:
 
     def keep(self, letter: Letter, record: dict[str, Any]) -> None:
         letter.kept.append(record)
-        payload = {"uri": self.cfg.uri, "experiment": self.cfg.experiment,
-                   "artifact_location": self.cfg.artifact_location, "max_artifact_mb": self.cfg.max_artifact_mb,
-                   "copy_checkpoints": self.cfg.copy_checkpoints, "owner": letter.owner, "error": self.down,
+        payload = {**{key: self.cfg[key] for key in LETTER_SETTINGS}, "owner": letter.owner, "error": self.down,
                    "ids": letter.ids, "records": letter.kept}
         try:
             letter.path.parent.mkdir(parents=True, exist_ok=True)
@@ -362,27 +382,59 @@ def close_orphans(client: Any, experiment_id: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m pipelines.outbox [folder]`: send every kept letter in the folder (default outputs/outbox) whose
-    process is gone, each to its own store, and close the runs gone processes left RUNNING there."""
-    from omegaconf import OmegaConf
-
-    folder = Path(argv[0] if argv else "outputs/outbox")
-    stores = {}
-    for path in sorted(folder.glob(KEPT_PATTERN)):
-        kept = json.loads(path.read_text())
-        stores[(kept["uri"], kept["experiment"])] = {key: kept[key] for key in (
-            "uri", "experiment", "artifact_location", "max_artifact_mb", "copy_checkpoints")}
+    """`python -m pipelines.outbox [folder] [--uri URI]`: send every kept letter in the folder (default
+    outputs/outbox) whose process is gone, each to its own store, and close the runs gone processes left RUNNING
+    in those stores, in the store beside the folder (`<folder>/../mlflow.db`, the default) and in `--uri`'s: one
+    line per store. Exit 1 while a store does not answer."""
+    parser = argparse.ArgumentParser(prog="python -m pipelines.outbox", description=main.__doc__)
+    parser.add_argument("folder", nargs="?", default="outputs/outbox", type=Path)
+    parser.add_argument("--uri", action="append", default=[], help="another store to close orphaned runs in")
+    parser.add_argument("--experiment", default="regraft", help="the experiment of the --uri stores")
+    args = parser.parse_args(argv)
+    stores = stores_of(args.folder, args.uri, args.experiment)
     if not stores:
-        print(f"tracking: nothing kept in {folder}; every update reached its store")
+        print(f"tracking: nothing kept in {args.folder}, and no store beside it (mlflow.db) or given (--uri) to close "
+              "runs in")
         return 0
     status = 0
     for settings in stores.values():
-        outbox = Outbox.of(OmegaConf.create({**settings, "outbox": str(folder)}))
-        outbox.caught_up.wait()
-        if outbox.down is not None:
-            print(f"tracking: {settings['uri']} still does not answer ({outbox.down}); its letters stay in {folder}")
+        words, down = replay(settings, args.folder)
+        if down is not None:
+            words = [f"{settings['uri']} still does not answer ({down}); its letters stay in {args.folder}"]
             status = 1
+        for line in words or [f"{settings['uri']}: nothing kept in {args.folder} to send, and no run left RUNNING "
+                              "by a regraft process that is gone"]:
+            print(f"tracking: {line}")
     return status
+
+
+def stores_of(folder: Path, uris: list[str], experiment: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """The stores to catch up, by (uri, experiment): each kept letter's, the sqlite store beside the folder when
+    there is one, and those given; each with the settings a letter keeps."""
+    stores = {}
+    for path in sorted(folder.glob(KEPT_PATTERN)):
+        kept = json.loads(path.read_text())
+        stores[(kept["uri"], kept["experiment"])] = {key: kept[key] for key in LETTER_SETTINGS}
+    beside = folder.absolute().parent / "mlflow.db"
+    for uri in uris + ([f"sqlite:///{beside}"] if beside.is_file() else []):
+        stores.setdefault((uri, experiment), {"uri": uri, "experiment": experiment, "max_artifact_mb": 20.0,
+                                              "artifact_location": str(folder.absolute().parent / "mlartifacts"),
+                                              "copy_checkpoints": False})
+    return stores
+
+
+def replay(settings: dict[str, Any], folder: Path) -> tuple[list[str], str | None]:
+    """One store caught up (pipelines/outbox.py catch_up_store): what it did, or why the store did not answer."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({**settings, "outbox": str(folder)})
+    quick_http(cfg)
+    try:
+        return catch_up_store(OpenStore.of(cfg), cfg), None
+    except RegraftError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (whatever the store raised: it is still down)
+        return [], first_line(exc)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # the code whose change makes an agent stale: what it runs for a command
 AGENT_CODE = ("pipelines/store_agent.py", "pipelines/outbox.py", "pipelines/store.py", "pipelines/tracking.py")
 SETTINGS_ENV = "REGRAFT_STORE_AGENT"  # the agent's settings (never its argv: `ps` shows no store paths)
-# set from tracking.timeout_s and .retries (pipelines/outbox.py quick_http), which the settings hold already
-QUICK_HTTP_ENV = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+# set by regraft itself (pipelines/outbox.py quick_http): from tracking.timeout_s and .retries, which the settings
+# hold already, and MLflow's printing, always off
+QUICK_HTTP_ENV = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+                  "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
 START_TIMEOUT_S = 30.0  # for a new agent to listen
 OPEN_TIMEOUT_S = 600.0  # for it to open the store (a first migration, an http store's retries)
 

@@ -165,6 +165,10 @@ def plain_numbers(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def ui_command(cfg: DictConfig) -> str:
+    """How to open the MLflow UI on the store: an http(s) store's server is its own UI (`mlflow ui` takes no server
+    as its store); any other store is opened with `mlflow ui`."""
+    if str(cfg.uri).startswith(("http://", "https://")):
+        return f"{cfg.uri} (the tracking server's own UI)"
     return f"mlflow ui --backend-store-uri {cfg.uri}"
 
 

@@ -310,6 +310,90 @@ def test_names_tags_and_hits_through_a_tracking_server(mlflow_server, tmp_path):
     assert artifact_files(client, first.run_id(next(iter(first.stages))))
 
 
+def track_and_die(cfg, finish: bool) -> None:
+    """A regraft process's tracking in a process of its own: a parent and a child run, then its end, either closing
+    its runs (`finish`) or leaving them to whoever looks next (as `kill -9` does)."""
+    code = f"""
+import os
+from omegaconf import OmegaConf
+from pipelines.dag import Node
+from pipelines.tracking import Tracker
+tracker = Tracker(OmegaConf.create({OmegaConf.to_container(cfg)!r}), "gone", tags={{}})
+node = Node("world", "world", OmegaConf.create({{}}), "setup")
+tracker.finish_stage(tracker.start_stage(node, "k", OmegaConf.create({{}}), False), None, "stopped")
+if {finish!r}:
+    tracker.finish("FAILED", {{}}, {{}}, [])
+tracker.outbox.wait(tracker.letter)
+os._exit(0)
+"""
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, timeout=300)
+
+
+def replay_outbox(*arguments: str) -> tuple[int, list[str]]:
+    done = subprocess.run([sys.executable, "-m", "pipelines.outbox", *arguments], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    return done.returncode, [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+
+
+def test_the_outbox_command_closes_what_a_gone_process_left_running_with_nothing_kept(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    track_and_die(tracking_cfg(uri, tmp_path), finish=False)
+    client = client_of(uri)
+    experiment = client.get_experiment_by_name("regraft").experiment_id
+    statuses = {run.data.tags.get("node", "parent"): run.info.status for run in client.search_runs([experiment])}
+    assert statuses == {"parent": "RUNNING", "world": "FAILED"}  # the stage ended, the process that ran it did not
+    assert replay_outbox(str(tmp_path / "outbox")) == (0, [
+        "tracking: closed 1 runs left RUNNING by regraft processes that are gone (status KILLED, tag closed_because)"])
+    statuses = {run.data.tags.get("node", "parent"): run.info.status for run in client.search_runs([experiment])}
+    assert statuses == {"parent": "KILLED", "world": "FAILED"}
+    assert replay_outbox(str(tmp_path / "outbox")) == (0, [
+        f"tracking: {uri}: nothing kept in {tmp_path / 'outbox'} to send, and no run left RUNNING by a regraft "
+        "process that is gone"])
+    # a store elsewhere, named
+    elsewhere = f"sqlite:///{tmp_path}/elsewhere.db"
+    track_and_die(tracking_cfg(elsewhere, tmp_path), finish=False)
+    nothing = tmp_path / "other" / "outbox"  # no mlflow.db beside it
+    assert replay_outbox(str(nothing), "--uri", elsewhere)[1] == [
+        "tracking: closed 1 runs left RUNNING by regraft processes that are gone (status KILLED, tag closed_because)"]
+    assert replay_outbox(str(nothing))[1] == [
+        f"tracking: nothing kept in {nothing}, and no store beside it (mlflow.db) or given (--uri) to close runs in"]
+
+
+def test_a_replay_to_a_server_says_one_line_and_an_outage_in_whole_words(tmp_path):
+    """A letter kept while the server was down: the command says in whole words why it still cannot send it, then,
+    with the server up, one line for all it sent (MLflow's own lines about each run it ends stay unsaid)."""
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    cfg = tracking_cfg(uri, tmp_path)
+    cfg.timeout_s, cfg.retries = 2, 0
+    track_and_die(cfg, finish=True)
+    [letter] = (tmp_path / "outbox").glob("*.json")
+    kept = len(json.loads(letter.read_text())["records"])
+    status, lines = replay_outbox(str(tmp_path / "outbox"))
+    assert status == 1 and lines == [
+        f"tracking: {uri} still does not answer (MlflowException: API request to {uri}/api/2.0/mlflow/experiments/"
+        "get-by-name failed with exception ConnectionRefusedError: [Errno 111] Connection refused); its letters stay "
+        f"in {tmp_path / 'outbox'}"], lines
+    server = start_mlflow_server(tmp_path / "server", port)
+    try:
+        status, lines = replay_outbox(str(tmp_path / "outbox"))
+        assert status == 0 and lines == [
+            f"tracking: sent {kept} updates that an outage had kept in {tmp_path / 'outbox'}"], lines
+        assert not letter.exists()
+        runs = client_of(uri).search_runs([client_of(uri).get_experiment_by_name("regraft").experiment_id])
+        assert sorted(run.info.status for run in runs) == ["FAILED", "FAILED"]
+    finally:
+        stop_mlflow_server(server)
+
+
+def test_the_ui_of_a_store_is_mlflow_ui_or_the_server_itself(tmp_path):
+    from pipelines.tracking import ui_command
+
+    assert ui_command(tracking_cfg("sqlite:///outputs/mlflow.db", tmp_path)) == \
+        "mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db"
+    assert ui_command(tracking_cfg("http://mlflow:5000", tmp_path)) == "http://mlflow:5000 (the tracking server's own UI)"
+
+
 def test_progress_shows_the_latest_tqdm_line(tmp_path):
     from rich.console import Console
 
