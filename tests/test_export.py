@@ -4,7 +4,9 @@ verifier's own architectures, so `vllm serve EXPORT` finds the target from the e
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from stages import remap
 from stages.common.contract.artifacts import staged_output
 from stages.common.drafter.checkpoint import DrafterCheckpoint, convert_checkpoint
 from stages.common.drafter.checkpoint import main as convert_main
+from tests.test_families import REFERENCE_PYTHON, ROOT
 from stages.common.contract.stage import compose_stage
 from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, engine_available
 from tests.conftest import random_map
@@ -48,9 +51,10 @@ def test_the_verifier_is_the_given_folder_or_hub_id_with_its_architectures(make_
     assert verifier(tmp_path / "hub") == {"name_or_path": HUB_ID, "architectures": architectures}
 
 
-def test_a_target_in_the_cache_is_never_named(make_drafter, vocab_size, target_dir, training_map, tmp_path):
-    """The built-in world's target lives in a stage output: the export names no verifier (vLLM needs the key only,
-    with the target given), unless the pipeline's target.name reaches the stage; the cache path appears nowhere."""
+def test_a_stage_never_names_a_target_in_the_cache(make_drafter, vocab_size, target_dir, training_map, tmp_path):
+    """The built-in world's target lives in a stage output: a stage's drafter names no verifier (vLLM needs the key
+    only, with the target given), unless the pipeline's target.name reaches the stage; the cache path appears in no
+    stage output."""
     target = cached(target_dir, tmp_path)
     drafter = make_drafter(random_map(vocab_size, 64, seed=1))
     remapped = tmp_path / "remapped"
@@ -59,10 +63,12 @@ def test_a_target_in_the_cache_is_never_named(make_drafter, vocab_size, target_d
     named = tmp_path / "named"
     remap.run(compose_stage("remap", [f"drafter={drafter}", f"vocab_map={training_map}", f"verifier={target}",
                                       f"out={named}", "layout=speculators", f"verifier_name={HUB_ID}"]))
-    served = convert_checkpoint(drafter, tmp_path / "served", "speculators", verifier=str(target))
-    for export, name in ((remapped, None), (named, HUB_ID), (served, None)):
+    for export, name in ((remapped, None), (named, HUB_ID)):
         assert verifier(export) == {"name_or_path": name, "architectures": ["LlamaForCausalLM"]}, export
         assert str(tmp_path / "cache") not in (export / "config.json").read_text()
+    # the export command given the cache folder itself names it: the user asked for it
+    served = convert_checkpoint(drafter, tmp_path / "served", "speculators", verifier=str(target))
+    assert verifier(served) == {"name_or_path": str(target), "architectures": ["LlamaForCausalLM"]}
     # a drafter written before exports were named records the cache path: its export drops it
     old = drafter.parent / "old"
     shutil.copytree(drafter, old)
@@ -104,3 +110,43 @@ def test_an_export_moved_away_from_the_cache_serves_on_vllm(engine_scratch_run, 
     counters = answer["counters"]
     assert len(answer["outputs"][0]) > 0
     assert counters["vllm:spec_decode_num_drafts"] > 0 and counters["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def in_a_finetune_output(drafter: Path, target: Path, root: Path) -> Path:
+    """`drafter` as the default run's fine-tune leaves it: inside a complete stage output made for `target`."""
+    with staged_output(root / "cache" / "finetune" / "4567cdef", "finetune", {"target": str(target)}) as staged:
+        shutil.copytree(drafter, staged.path / "drafter")
+    return root / "cache" / "finetune" / "4567cdef" / "drafter"
+
+
+def test_the_default_runs_export_names_the_cached_target_and_speculators_loads_it(make_drafter, vocab_size,
+                                                                                   target_dir, tmp_path, capsys):
+    """speculators 0.9.0's loader reads the verifier's config and embeddings by the export's name_or_path (None:
+    `AutoConfig.from_pretrained(None)` fails): the default run's export names the cached target it was trained for,
+    and its line says that folder is in the cache and how to name the deployed one."""
+    target = cached(target_dir, tmp_path)
+    drafter = in_a_finetune_output(make_drafter(random_map(vocab_size, 64, seed=1)), target, tmp_path)
+    assert convert_main([str(drafter), str(tmp_path / "export"), "--layout", "speculators"]) == 0
+    said = capsys.readouterr().out.strip()
+    assert said == (f"wrote {tmp_path / 'export'} (speculators); its verifier is {target}, a folder in regraft's "
+                    "cache on this machine: loaders here read the target's config and embeddings from it; for "
+                    "another machine, name the target as deployed (--verifier-name HUB_ID, or target.name= in the run)")
+    assert verifier(tmp_path / "export") == {"name_or_path": str(target), "architectures": ["LlamaForCausalLM"]}
+    # named as deployed: the line says so, and a drafter outside the cache with nothing recorded names none
+    assert convert_main([str(drafter), str(tmp_path / "named"), "--layout", "speculators",
+                         "--verifier-name", HUB_ID]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"its verifier is {HUB_ID}: a loader reads the target's config "
+                                                    "and embeddings from it")
+    loose = make_drafter(random_map(vocab_size, 64, seed=2))
+    assert convert_main([str(loose), str(tmp_path / "loose"), "--layout", "speculators"]) == 0
+    assert "it names no verifier: speculators' loader needs one" in capsys.readouterr().out
+    if not REFERENCE_PYTHON.exists():
+        pytest.skip("no reference venv with speculators 0.9.0: run `make venv-ref`")
+    for export, loads in (("export", True), ("loose", False)):
+        loaded = subprocess.run([str(REFERENCE_PYTHON), str(ROOT / "tests" / "speculators_load.py"),
+                                 str(tmp_path / export)], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert (loaded.returncode == 0) is loads, loaded.stderr[-2000:]
+        if loads:
+            report = json.loads(loaded.stdout.strip().splitlines()[-1])
+            assert report["not_in_model"] == [] and report["differ"] == [], report

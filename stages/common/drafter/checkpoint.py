@@ -20,8 +20,8 @@ from typing import Iterator
 
 import torch
 
-from stages.common.drafter.config import (CONVENTIONS, LAYOUT_CONVENTION, LAYOUTS, DrafterConfig, Layout, parse_config,
-                                          render_config)
+from stages.common.drafter.config import (CONVENTIONS, LAYOUT_CONVENTION, LAYOUTS, DrafterConfig, Layout,
+                                          in_stage_output, parse_config, render_config, trained_for)
 from stages.common.contract.errors import RegraftError
 from stages.common.drafter.tensor_io import SafetensorsFiles, TensorSpec, spec_of, write_safetensors
 from stages.common.drafter.vocab import VocabMap
@@ -155,13 +155,18 @@ def convert_checkpoint(source: str | Path, out_dir: str | Path, layout: Layout, 
     """Rewrite a checkpoint in another layout, streaming its tensors; its aux ids in the convention the layout's
     engines read unless `aux_convention` says otherwise. `verifier` (a target folder or hub id) is the target it
     serves, deployed as `verifier_name` (default: `verifier` as given; `DrafterConfig.with_verifier`); without
-    either, the verifier the checkpoint records."""
+    either, the verifier the checkpoint records, else (speculators, whose loader needs one) the target folder the
+    stage output holding it was made for, a folder in regraft's cache for the built-in world (`trained_for`)."""
     from stages.common.contract.artifacts import staged_output
 
     checkpoint = DrafterCheckpoint.open(source)
     config = checkpoint.config
     if verifier or verifier_name:
         config = config.with_verifier(verifier or verifier_name, verifier_name)
+        if config.verifier is None:  # a folder in the cache, named by the user: as named
+            config = config.with_local_verifier(Path(verifier))
+    elif config.verifier is None and layout == "speculators" and (local := trained_for(source)) is not None:
+        config = config.with_local_verifier(local)  # the built-in world's target: loadable here, named nowhere else
     convention = aux_convention or LAYOUT_CONVENTION[layout]
     with staged_output(out_dir, "convert", {"source": str(source), "layout": layout,
                                             "aux_convention": convention}) as staged:
@@ -186,8 +191,23 @@ def main(argv: list[str] | None = None) -> int:
     except RegraftError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out} ({args.layout})")
+    print(f"wrote {args.out} ({args.layout}); {what_a_loader_needs(Path(args.out))}")
     return 0
+
+
+def what_a_loader_needs(export: Path) -> str:
+    """The export's verifier, as its log line says it: what speculators' loader (which reads the verifier's config
+    and embeddings by that name) and an engine will look for."""
+    name = DrafterCheckpoint.open(export).config.verifier or json.loads((export / "config.json").read_text()).get(
+        "speculators_config", {}).get("verifier", {}).get("name_or_path")
+    if name is None:
+        return ("it names no verifier: speculators' loader needs one (--verifier FOLDER, or --verifier-name HUB_ID "
+                "for the target as deployed); vLLM serves it beside the target it is given")
+    if in_stage_output(Path(name)):
+        return (f"its verifier is {name}, a folder in regraft's cache on this machine: loaders here read the "
+                "target's config and embeddings from it; for another machine, name the target as deployed "
+                "(--verifier-name HUB_ID, or target.name= in the run)")
+    return f"its verifier is {name}: a loader reads the target's config and embeddings from it"
 
 
 if __name__ == "__main__":

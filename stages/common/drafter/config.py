@@ -25,7 +25,9 @@ that changes the forward (`FUNCTION_KEYS`) is accepted only at the value regraft
 that value); any other key is refused, since no one can tell it is harmless.
 
 An export names the verifier as it will be deployed (`verifier_identity`): a hub id when given, else the target
-folder as the user gave it, never a folder inside a regraft stage output (the cache exists on one machine only).
+folder as the user gave it; a stage never writes a folder inside a regraft stage output (the cache exists on one
+machine only). The export command, given no name and finding none recorded, names the target folder the drafter was
+made for, in the cache too (`trained_for`), since speculators' loader cannot load a drafter that names no verifier.
 """
 from __future__ import annotations
 
@@ -162,6 +164,14 @@ class DrafterConfig:
         there (a hub id given as the target) keeps the architectures recorded before."""
         verifier, architectures = verifier_identity(target_dir, name)
         return replace(self, verifier=verifier, verifier_architectures=architectures or self.verifier_architectures)
+
+    def with_local_verifier(self, folder: Path) -> "DrafterConfig":
+        """Named by the target folder it was trained for as it lies here, inside regraft's cache too: the export
+        command's last resort, so that a loader on this machine (speculators reads the verifier's config and
+        embeddings from the name) finds it."""
+        architectures = list(raw_target_config(folder).get("architectures") or [])
+        return replace(self, verifier=str(folder.absolute()),
+                       verifier_architectures=architectures or self.verifier_architectures)
 
     def with_aux_convention(self, convention: str) -> "DrafterConfig":
         """The same layers, named in the other convention (ids shift by one)."""
@@ -473,6 +483,19 @@ def target_config(target_dir: str | Path) -> dict[str, Any]:
 def in_stage_output(path: Path) -> bool:
     """Whether `path` lies inside a complete regraft stage output (the cache: it exists on this machine only)."""
     return any(read_manifest(folder) is not None for folder in (path, *path.parents))
+
+
+def trained_for(drafter_dir: str | Path) -> Path | None:
+    """The target folder a drafter inside a stage output was made for (a fine-tune's `target`, a remap's
+    `verifier`, from the output's manifest), when that folder is here; None for a drafter outside the cache."""
+    drafter = Path(drafter_dir).absolute()
+    for folder in (drafter, *drafter.parents):
+        manifest = read_manifest(folder)
+        if manifest is not None:
+            config = manifest.get("config") or {}
+            named = config.get("target") or config.get("verifier")
+            return Path(named) if named and (Path(named) / "config.json").is_file() else None
+    return None
 
 
 def deployable(name: str | None) -> str | None:
