@@ -169,13 +169,14 @@ def ui_command(cfg: DictConfig) -> str:
     as its store); any other store is opened with `mlflow ui`."""
     if str(cfg.uri).startswith(("http://", "https://")):
         return f"{cfg.uri} (the tracking server's own UI)"
-    return f"mlflow ui --backend-store-uri {cfg.uri}"
+    return f"mlflow ui --port {UI_PORT} --backend-store-uri {cfg.uri}"  # the port the printed links name
 
 
 # The runs table's columns for "which member won": the accept lengths beside the run's name and overrides
 WINNER_COLUMNS = ("phase1/accept_len", "phase0/accept_len", "scratch/accept_len", "gain/over_scratch")
 SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's UI reads a shared view (filter, sort, columns) from this tag
-UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+UI_PORT = 5000  # `mlflow ui`'s default, said in the printed command so that the command and the links name one address
+UI_ADDRESS = f"http://127.0.0.1:{UI_PORT}"
 
 
 def runs_view(sweep: str | None) -> dict[str, Any]:

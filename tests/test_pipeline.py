@@ -47,7 +47,7 @@ def outputs(tmp_path_factory) -> Path:
 def first_run(outputs) -> dict:
     done = regraft(outputs)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "mlflow ui --backend-store-uri" in done.stdout
+    assert "mlflow ui --port 5000 --backend-store-uri" in done.stdout
     return last_summary(outputs)
 
 

@@ -127,7 +127,7 @@ def assert_link_opens_on_the_winner(outputs: Path, printed: str) -> None:
     from tests.mlflow_checks import first_row_run_id, rendered_runs_table
 
     lines = printed.splitlines()
-    assert f"MLflow: mlflow ui --backend-store-uri sqlite:///{outputs}/mlflow.db" in lines
+    assert f"MLflow: mlflow ui --port 5000 --backend-store-uri sqlite:///{outputs}/mlflow.db" in lines
     link = next(line.split(": ", 1)[1] for line in lines if line.startswith("which member won: "))
     best = max(member["numbers"]["phase1/accept_len"] for member in members(outputs))
     winners = {run.info.run_id for run in mlflow_runs(outputs) if "mlflow.parentRunId" not in run.data.tags

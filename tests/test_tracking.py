@@ -390,7 +390,7 @@ def test_the_ui_of_a_store_is_mlflow_ui_or_the_server_itself(tmp_path):
     from pipelines.tracking import ui_command
 
     assert ui_command(tracking_cfg("sqlite:///outputs/mlflow.db", tmp_path)) == \
-        "mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db"
+        "mlflow ui --port 5000 --backend-store-uri sqlite:///outputs/mlflow.db"
     assert ui_command(tracking_cfg("http://mlflow:5000", tmp_path)) == "http://mlflow:5000 (the tracking server's own UI)"
 
 
