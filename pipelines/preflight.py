@@ -14,6 +14,7 @@ What needs a stage's output (a map built from data, the world's models) is check
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -45,13 +46,16 @@ def check_outputs_writable(cfg: DictConfig) -> None:
     """paths.outputs and paths.cache can be written and have room (else the full-disk line), before Hydra writes
     the run folder."""
     for key in ("outputs", "cache"):
-        check_writable(Path(cfg.paths[key]), f"paths.{key}")
+        # the outputs folder is Hydra's next (the run folder goes in it); the cache is made by the first stage
+        check_writable(Path(cfg.paths[key]), f"paths.{key}", keep=key == "outputs")
         check_room(Path(cfg.paths[key]))
 
 
-def check_writable(folder: Path, key: str) -> None:
+def check_writable(folder: Path, key: str, keep: bool = True) -> None:
     """The folder exists or can be made, and a file can be written in it: else why not (a full disk, a missing or
-    read-only filesystem, no permission), naming the folder and the setting that moves it."""
+    read-only filesystem, no permission), naming the folder and the setting that moves it. Folders made for the
+    check are removed again unless `keep`: a run refused later leaves nothing behind."""
+    made = [path for path in (folder, *folder.parents) if not path.exists()]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
@@ -60,6 +64,10 @@ def check_writable(folder: Path, key: str) -> None:
         where = f": {exc.filename}" if exc.filename and Path(exc.filename) != folder else ""
         raise disk_full(exc, folder) or RegraftError(folder, f"cannot be written ({exc.strerror or exc}{where})",
                                                      f"point {key}= at a folder you can write") from None
+    finally:
+        for path in made if not keep else []:
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def check_tracking_reachable(cfg: DictConfig, timeout_s: float = 5.0) -> None:

@@ -58,5 +58,6 @@ def test_a_fine_tune_meeting_a_killed_builds_lock_trains(inputs, tmp_path, monke
                    "pipeline.baseline=false", "pipeline.evaluate=false")
     assert done.returncode == 0, output_lines(done)[-5:]
     assert "finetune" in complete_stages(tmp_path / "outputs") and not lock.exists()
-    logs = "".join(path.read_text(errors="replace") for path in (tmp_path / "outputs").rglob("*.log*"))
-    assert f"took over {lock}" in logs or f"took over {lock}" in done.stdout
+    logs = "".join(path.read_text(errors="replace") for path in (tmp_path / "outputs" / "runs").rglob("*")
+                   if path.is_file())  # the stage's job log (jobs/finetune/<id>_0_log.err)
+    assert f"finetune: took over {lock}: left 60 min ago" in logs
