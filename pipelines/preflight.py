@@ -108,8 +108,8 @@ def check_given_inputs(cfg: DictConfig) -> None:
 
 def check_chat_file(path: Path, key: str, needs_answers: bool = False) -> None:
     """Not empty, every line a chat (the first bad one named by file and line), and, `needs_answers`, some assistant
-    turn with text in it. Each line is parsed here, once: about 1 s per 100 MB of chats, against a stage job that
-    would find a bad line at its end."""
+    turn with text in it. Each line is parsed here, once, where a stage job would find a bad line only on reaching
+    it, after dispatch."""
     if path.is_dir():
         raise RegraftError(path, f"{key} is a folder", f"point {key}= at a JSONL file of chats")
     from stages.common.data.chat import read_chat_records  # torch: only for data given by path
