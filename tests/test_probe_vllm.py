@@ -111,11 +111,15 @@ def test_a_drafter_served_one_layer_off_accepts_differently(both, engine_target,
 
 # Measured here (2026-12-03): vLLM 0.32's CPU build loads and serves the MLA drafter beside a tiny DeepSeek-V3 target,
 # but decodes that target differently from transformers, and from itself without speculation (their first greedy
-# tokens differ in fp32), so no count can be compared with the hf backend's; the MLA drafter's forward is held
-# against NeMo Automodel's trainer instead (tests/test_families.py). A Llama target cannot be served beside it at all.
-MLA_ON_VLLM = ("vLLM 0.32's CPU build decodes a DeepSeek-V3 (MLA, MoE) target unlike transformers and unlike itself "
-               "without speculation, and serves an MLA drafter beside no other target (no common KV block size: CPU "
-               "attention takes multiples of 32, CPU MLA 16 only); held against NeMo Automodel in test_families.py")
+# tokens differ in fp32), so no count can be compared with the hf backend's. The cause (docs/families.md, "Who
+# computes MLA as DeepSeek does", bench/mla_engines.py): its CPU rotary op misreads the rope views layers/mla.py
+# passes it, so its MLA is not DeepSeek's; transformers' is. The MLA drafter's forward is held against NeMo
+# Automodel's trainer and DeepSeek's reference code instead (tests/test_families.py). A Llama target cannot be
+# served beside it at all.
+MLA_ON_VLLM = ("vLLM 0.32's CPU build computes MLA's rope wrong (its CPU rotary op misreads the views layers/mla.py "
+               "passes: docs/families.md), so it decodes a DeepSeek-V3 target unlike DeepSeek's reference, and serves "
+               "an MLA drafter beside no other target (no common KV block size: CPU attention takes multiples of 32, "
+               "CPU MLA 16 only); held against NeMo Automodel and DeepSeek's reference in test_families.py")
 
 
 @pytest.fixture(scope="module", params=["eagle3.1", pytest.param("mla3.1", marks=pytest.mark.skip(reason=MLA_ON_VLLM))])
