@@ -93,7 +93,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     keys = keys_for(nodes)
     get_ready(launcher, cfg, nodes, keys)
     # named by the overrides its sweep varies (`lr=1e-3 init=remap`), else its own or `defaults`
-    tracker = Tracker.for_pipeline(cfg.tracking, hydra_invocation(overrides), overrides, run_dir)
+    tracker = Tracker.for_pipeline(cfg.tracking, hydra_invocation(overrides, run_dir), overrides, run_dir)
     with closing_on_failure([tracker]):
         if cfg.pipeline.race:
             results, race = race_then_evaluate(cfg, launcher, tracker, console)

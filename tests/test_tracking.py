@@ -214,6 +214,17 @@ def test_run_names_from_overrides_and_sweeps():
     assert swept_keys(["a=1"], {"finetune.seed": "range(0,3)"}) == ["finetune.seed"]
 
 
+def test_single_runs_of_the_same_overrides_are_told_apart_by_when_they_started():
+    from pipelines.run_names import started
+
+    when = started("/out/runs/2026-12-07_11-24-38_331207_14875")
+    assert when == "12-07 11:24:38" and started("/out/elsewhere") is None and started(None) is None
+    assert invocation([], when=when).name == "defaults · 12-07 11:24:38"
+    assert invocation(["paths.outputs=/x", "debug=tiny"], when=when).name == "debug=tiny · 12-07 11:24:38"
+    member = invocation(["finetune.lr=0.001"], ["finetune.lr"], "sweepdir", 0, when=when)
+    assert member.name == "lr=0.001"  # a member is its values; its sweep is a tag
+
+
 def test_a_half_created_store_is_repaired(tmp_path):
     import sqlalchemy
     from mlflow.store.tracking.dbmodels.initial_models import Base as InitialBase
@@ -514,3 +525,4 @@ def test_a_figure_has_one_name():
     metrics = ttt_metrics(torch.tensor([1.0, 2.0]), torch.tensor([3, 1]), torch.tensor([4, 4]), torch.tensor([3, 1]),
                           torch.tensor([4, 3]))
     assert "cond_acc_0" not in metrics and metrics["full_acc_0"] == 0.75 and metrics["cond_acc_1"] == pytest.approx(1 / 3)
+
