@@ -225,6 +225,17 @@ def test_single_runs_of_the_same_overrides_are_told_apart_by_when_they_started()
     assert member.name == "lr=0.001"  # a member is its values; its sweep is a tag
 
 
+def test_the_winner_view_shows_its_columns_whole():
+    """MLflow gives a metric column 100 px (`phase1/accep`); the shared view sets the link's columns' widths and
+    order (tests/test_ui.py sees them rendered)."""
+    from pipelines.tracking import WINNER_COLUMNS, runs_view
+
+    view = runs_view("s")
+    columns = [f"metrics.`{name}`" for name in WINNER_COLUMNS]
+    assert view["columnOrder"] == ["attributes.`Run Name`", *columns] == view["selectedColumns"]
+    assert all(view["columnWidths"][column] >= 9 * len(name) + 24 for column, name in zip(columns, WINNER_COLUMNS))
+
+
 def test_a_half_created_store_is_repaired(tmp_path):
     import sqlalchemy
     from mlflow.store.tracking.dbmodels.initial_models import Base as InitialBase
@@ -526,3 +537,35 @@ def test_a_figure_has_one_name():
                           torch.tensor([4, 3]))
     assert "cond_acc_0" not in metrics and metrics["full_acc_0"] == 0.75 and metrics["cond_acc_1"] == pytest.approx(1 / 3)
 
+
+def test_the_printed_links_open_the_classic_view_with_the_headline_columns_whole(tmp_path):
+    """Headless Chromium on a real `mlflow ui`: MLflow's own link to a run page (no `workflowType`) opens it in
+    GenAI mode (breadcrumb `Evaluations`), so the printed run link says `workflowType=machine_learning` and opens the
+    classic run view (breadcrumb `Runs`, the sidebar's Model training items); the winner link's table shows its
+    metric columns at the widths the shared view sets, wider than MLflow's 100 px."""
+    import re
+
+    from pipelines.outbox import experiment
+    from pipelines.tracking import WINNER_COLUMNS, run_link, runs_link
+    from tests.mlflow_checks import rendered_pages
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client, cfg = client_of(uri), tracking_cfg(uri, tmp_path)
+    experiment_id = experiment(client, "regraft", str(tmp_path / "mlartifacts"))
+    parent = client.create_run(experiment_id, tags={"kind": "pipeline"}, run_name="defaults · 12-07 11:24:38")
+    for number, name in enumerate(WINNER_COLUMNS):
+        client.log_metric(parent.info.run_id, name, 1.0 + number)
+    client.set_terminated(parent.info.run_id)
+    table = runs_link(client, experiment_id, cfg, None)
+    printed = run_link(table, parent.info.run_id)
+    assert printed == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{parent.info.run_id}" \
+                      "?workflowType=machine_learning"
+    own, classic, runs = rendered_pages(uri, [printed.split("?")[0], printed, table], tmp_path / "chromium")
+    crumb = r'data-testid="experiment-observatory-link-runs" href="[^"]*">(\w+)<'
+    assert re.findall(crumb, own) == ["Evaluations"], own[-2000:]  # MLflow's own link: GenAI mode
+    assert re.findall(crumb, classic) == ["Runs"], classic[-2000:]
+    assert "Model registry" in classic and "defaults · 12-07 11:24:38" in classic
+    widths = dict(re.findall(r'col-id="metrics.`([^`]+)`" aria-sort="[^"]*" aria-description="[^"]*" '
+                             r'style="left: \d+px; width: (\d+)px;"', runs))
+    assert set(widths) == set(WINNER_COLUMNS), runs[-2000:]
+    assert all(int(widths[name]) >= 9 * len(name) + 24 for name in WINNER_COLUMNS), widths
