@@ -26,7 +26,7 @@ from pipelines.race import race_summary, race_table, rung_runner, run_race
 from pipelines.runner import NodeResult, pending, run_dag
 from pipelines.summary import finish_run
 from pipelines.run_names import hydra_invocation
-from pipelines.tracking import Tracker
+from pipelines.tracking import Tracker, run_link
 from stages.common.contract.runtime import compute_as_every_cpu
 
 
@@ -37,6 +37,7 @@ class PipelineResult:
     plots: list[Path]
     mlflow_ui: str | None = None  # the command that opens the MLflow UI on this run's store
     mlflow_link: str | None = None  # the runs table there, filtered to the pipelines' parent runs, best first
+    mlflow_run: str | None = None  # this run's parent run page there, in the classic (machine learning) view
 
 
 def threads_per_stage(threads: int | None, max_parallel: int | None) -> int | None:
@@ -93,7 +94,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     keys = keys_for(nodes)
     get_ready(launcher, cfg, nodes, keys)
     # named by the overrides its sweep varies (`lr=1e-3 init=remap`), else its own or `defaults`
-    tracker = Tracker.for_pipeline(cfg.tracking, hydra_invocation(overrides), overrides, run_dir)
+    tracker = Tracker.for_pipeline(cfg.tracking, hydra_invocation(overrides, run_dir), overrides, run_dir)
     with closing_on_failure([tracker]):
         if cfg.pipeline.race:
             results, race = race_then_evaluate(cfg, launcher, tracker, console)
@@ -101,8 +102,10 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
             results, race = run_dag(nodes, Path(cfg.paths.cache), launcher, tracker, console, cfg.launcher.poll_s,
                                     cfg.launcher.max_parallel, keys, check=CacheCheck.of(cfg.cache)), None
     summary, plots = finish_run(run_dir, results, cfg, overrides, time.perf_counter() - start, tracker, race=race)
-    return PipelineResult(results, summary, plots, tracker.ui_command() if tracker else None,
-                          tracker.runs_link() if tracker else None)
+    link = tracker.runs_link() if tracker else None
+    parent = tracker.parent_id if link else None
+    return PipelineResult(results, summary, plots, tracker.ui_command() if tracker else None, link,
+                          run_link(link, parent) if parent else None)
 
 
 def evaluated_turns(out: str) -> list[dict]:

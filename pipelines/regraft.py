@@ -175,6 +175,8 @@ def command(cfg: DictConfig) -> None:
         console.print(f"MLflow: {done.mlflow_ui}", highlight=False)
         if done.mlflow_link:  # none while the store does not answer (the run said so)
             console.print(f"which run won: {done.mlflow_link}", highlight=False, soft_wrap=True)
+        if done.mlflow_run:
+            console.print(f"this run: {done.mlflow_run}", highlight=False, soft_wrap=True)
     console.print(f"summary: {run_dir / 'summary.json'}", highlight=False)
 
 

@@ -142,7 +142,8 @@ def repair_store(uri: str) -> None:
 
 
 EXPERIMENT_NOTE = """regraft: one parent run per invocation (per sweep member), named by the overrides its sweep \
-varies (`lr=1e-3 init=remap`) or `defaults`; one child run per stage.
+varies (`lr=1e-3 init=remap`), or a single run by its overrides (or `defaults`) and when it started; one child run \
+per stage.
 
 Which setting won: sort the parent runs by **phase1/accept_len** (the remapped, fine-tuned drafter on the new \
 target), against **phase0/accept_len** (the source drafter as it is) and **scratch/accept_len** (the same fine-tune \

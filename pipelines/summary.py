@@ -33,8 +33,10 @@ def fmt(value: Any, digits: int = 3) -> str:
 
 
 # The parent run's figures: (name, the nodes it is read from (the first that has it), that node's figure, what it
-# means). Each is a child's figure under its node's role; every name differs from the others in its first 12
-# characters, which is what MLflow's runs table shows of a column's name (tests/test_tracking.py holds this).
+# means). Each is a child's figure under its node's role and the child's own name for it (the fine-tune's
+# `preflight/full_acc_0` is `phase1/full_acc_0`; its `as_is_` figures, the source as it is, are phase 0); every name
+# differs from the others in its first 12 characters, which is what MLflow's runs table shows of a column's name at
+# its width (tests/test_tracking.py holds this).
 HEADLINES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("phase0/accept_len", (PROBE,), "accept_len", "accept_len, phase 0 (source as it is)"),
     ("phase1/accept_len", (PHASE1.evaluate,), "accept_len", "accept_len, phase 1 (fine-tuned)"),
@@ -45,9 +47,9 @@ HEADLINES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("phase0/loss_0", (PHASE1.train, BASELINE.train), "preflight_as_is_loss_0", "step-0 loss, source as it is"),
     ("phase1/loss_0", (PHASE1.train,), "preflight_loss_0", "step-0 loss, fine-tune init"),
     ("scratch/loss_0", (BASELINE.train,), "preflight_loss_0", "step-0 loss, from scratch"),
-    ("phase0/acc_0", (PHASE1.train, BASELINE.train), "preflight_as_is_full_acc_0", "step-0 acc, source as it is"),
-    ("phase1/acc_0", (PHASE1.train,), "preflight_full_acc_0", "step-0 acc, fine-tune init"),
-    ("scratch/acc_0", (BASELINE.train,), "preflight_full_acc_0", "step-0 acc, from scratch"),
+    ("phase0/full_acc_0", (PHASE1.train, BASELINE.train), "preflight_as_is_full_acc_0", "step-0 acc, source as it is"),
+    ("phase1/full_acc_0", (PHASE1.train,), "preflight_full_acc_0", "step-0 acc, fine-tune init"),
+    ("scratch/full_acc_0", (BASELINE.train,), "preflight_full_acc_0", "step-0 acc, from scratch"),
     ("phase1/val_acc_0", (PHASE1.train,), "val_full_acc_0", "val acc (TTT step 0) after fine-tune"),
     ("scratch/val_acc_0", (BASELINE.train,), "val_full_acc_0", "val acc (TTT step 0) after scratch"),
     ("diagnose/cka_mean", (DIAGNOSE,), "cka_mean", "CKA(old target, new), aux layers"),

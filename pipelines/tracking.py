@@ -179,12 +179,25 @@ UI_PORT = 5000  # `mlflow ui`'s default, said in the printed command so that the
 UI_ADDRESS = f"http://127.0.0.1:{UI_PORT}"
 
 
+# MLflow's table gives a metric column 100 px, about 12 characters of its name (`phase1/accep`); the shared view
+# widens the link's columns to their whole name: 9 px a character and room for the column's menu
+COLUMN_PX_PER_CHARACTER, COLUMN_PX_MENU = 9, 24
+# MLflow 3's UI opens a page in GenAI mode unless its URL says otherwise or the browser's sidebar switch was set to
+# "Model training" (remembered in the browser's local storage); the experiment's kind tag is not read for it
+CLASSIC = "workflowType=machine_learning"
+
+
 def runs_view(sweep: str | None) -> dict[str, Any]:
-    """What MLflow's runs table opens on: the parent runs (of one sweep), best phase 1 first, the headline columns."""
+    """What MLflow's runs table opens on: the parent runs (of one sweep), best phase 1 first, the headline columns
+    first and wide enough for their names."""
     where = "tags.kind = 'pipeline'" + (f" and tags.sweep = '{sweep}'" if sweep else "")
+    columns = [f"metrics.`{name}`" for name in WINNER_COLUMNS]
     return {"searchFilter": where, "orderByKey": "metrics.`phase1/accept_len`", "orderByAsc": False,
             "startTime": "ALL", "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
-            "selectedColumns": ["attributes.`Run Name`", *(f"metrics.`{name}`" for name in WINNER_COLUMNS)],
+            "selectedColumns": ["attributes.`Run Name`", *columns],
+            "columnOrder": ["attributes.`Run Name`", *columns],
+            "columnWidths": {column: COLUMN_PX_PER_CHARACTER * len(name) + COLUMN_PX_MENU
+                             for column, name in zip(columns, WINNER_COLUMNS)},
             "runsExpanded": {}, "runsPinned": [], "runsHidden": []}
 
 
@@ -197,7 +210,13 @@ def runs_link(client: Any, experiment_id: str, cfg: DictConfig, sweep: str | Non
     key = "regraft-" + hashlib.sha256((sweep or "all").encode()).hexdigest()[:12]
     set_experiment_tag(client, experiment_id, SHARED_VIEW_TAG + key, json.dumps(runs_view(sweep)))
     base = cfg.uri.rstrip("/") if cfg.uri.startswith(("http://", "https://")) else UI_ADDRESS
-    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={key}"
+    return f"{base}/#/experiments/{experiment_id}/runs?{CLASSIC}&viewStateShareKey={key}"
+
+
+def run_link(runs: str, run_id: str) -> str:
+    """A run's page, from the runs table's link (same address and experiment), in the classic (machine learning)
+    view: MLflow's own links to a run page carry no `workflowType`, so they open it in GenAI mode."""
+    return f"{runs.split('/runs?', 1)[0]}/runs/{run_id}?{CLASSIC}"
 
 
 def sweep_link(cfg: DictConfig, sweep: str) -> str | None:

@@ -86,6 +86,13 @@ def free_port() -> int:
 def rendered_runs_table(store: str, link: str, scratch: Path) -> str:
     """The page a user sees at `link` (as printed, for `mlflow ui` on port 5000), rendered by headless Chromium
     against a real `mlflow ui` on `store`: the DOM after the app has loaded."""
+    return rendered_pages(store, [link], scratch)[0]
+
+
+def rendered_pages(store: str, links: list[str], scratch: Path) -> list[str]:
+    """Each of `links` (for `mlflow ui` on port 5000) rendered by headless Chromium against one real `mlflow ui` on
+    `store`, each in a new browser profile (nothing remembered from the page before): the DOMs after the app has
+    loaded."""
     import shutil
     import subprocess
     import sys
@@ -108,10 +115,12 @@ def rendered_runs_table(store: str, link: str, scratch: Path) -> str:
             except OSError:
                 assert time.monotonic() < deadline and server.poll() is None, "mlflow ui did not start"
                 time.sleep(1)
-        url = link.replace("http://127.0.0.1:5000", f"http://127.0.0.1:{port}")
-        page = subprocess.run([*CHROMIUM, f"--user-data-dir={scratch}", "--dump-dom", url], capture_output=True,
-                              text=True, timeout=300)
-        return page.stdout
+        pages = []
+        for number, link in enumerate(links):
+            url = link.replace("http://127.0.0.1:5000", f"http://127.0.0.1:{port}")
+            pages.append(subprocess.run([*CHROMIUM, f"--user-data-dir={scratch / str(number)}", "--dump-dom", url],
+                                        capture_output=True, text=True, timeout=300).stdout)
+        return pages
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -86,11 +86,13 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
             "phase1/loss_0", "phase1/val_acc_0"} <= set(numbers)
     assert not (run_dir / "jobs" / "%j").exists()  # one job folder per stage, no empty "%j"
 
+    from pipelines.run_names import started
+
     client = mlflow_client(outputs)
     experiment = client.get_experiment_by_name("regraft")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on its runs
     parent = parent_runs(client)[-1]
-    assert parent.info.status == "FINISHED" and parent.info.run_name == "debug=tiny"
+    assert parent.info.status == "FINISHED" and parent.info.run_name == f"debug=tiny · {started(run_dir)}"
     assert {key: parent.data.metrics[key] for key in numbers} == numbers  # the summary's numbers, by the same names
     assert parent.data.metrics["stages/ran"] == len(NODES) and parent.data.metrics["stages/hit"] == 0
     children = child_runs(client, parent.info.run_id)

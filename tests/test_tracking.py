@@ -214,6 +214,28 @@ def test_run_names_from_overrides_and_sweeps():
     assert swept_keys(["a=1"], {"finetune.seed": "range(0,3)"}) == ["finetune.seed"]
 
 
+def test_single_runs_of_the_same_overrides_are_told_apart_by_when_they_started():
+    from pipelines.run_names import started
+
+    when = started("/out/runs/2026-12-07_11-24-38_331207_14875")
+    assert when == "12-07 11:24:38" and started("/out/elsewhere") is None and started(None) is None
+    assert invocation([], when=when).name == "defaults · 12-07 11:24:38"
+    assert invocation(["paths.outputs=/x", "debug=tiny"], when=when).name == "debug=tiny · 12-07 11:24:38"
+    member = invocation(["finetune.lr=0.001"], ["finetune.lr"], "sweepdir", 0, when=when)
+    assert member.name == "lr=0.001"  # a member is its values; its sweep is a tag
+
+
+def test_the_winner_view_shows_its_columns_whole():
+    """MLflow gives a metric column 100 px (`phase1/accep`); the shared view sets the link's columns' widths and
+    order (tests/test_ui.py sees them rendered)."""
+    from pipelines.tracking import WINNER_COLUMNS, runs_view
+
+    view = runs_view("s")
+    columns = [f"metrics.`{name}`" for name in WINNER_COLUMNS]
+    assert view["columnOrder"] == ["attributes.`Run Name`", *columns] == view["selectedColumns"]
+    assert all(view["columnWidths"][column] >= 9 * len(name) + 24 for column, name in zip(columns, WINNER_COLUMNS))
+
+
 def test_a_half_created_store_is_repaired(tmp_path):
     import sqlalchemy
     from mlflow.store.tracking.dbmodels.initial_models import Base as InitialBase
@@ -514,3 +536,36 @@ def test_a_figure_has_one_name():
     metrics = ttt_metrics(torch.tensor([1.0, 2.0]), torch.tensor([3, 1]), torch.tensor([4, 4]), torch.tensor([3, 1]),
                           torch.tensor([4, 3]))
     assert "cond_acc_0" not in metrics and metrics["full_acc_0"] == 0.75 and metrics["cond_acc_1"] == pytest.approx(1 / 3)
+
+
+def test_the_printed_links_open_the_classic_view_with_the_headline_columns_whole(tmp_path):
+    """Headless Chromium on a real `mlflow ui`: MLflow's own link to a run page (no `workflowType`) opens it in
+    GenAI mode (breadcrumb `Evaluations`), so the printed run link says `workflowType=machine_learning` and opens the
+    classic run view (breadcrumb `Runs`, the sidebar's Model training items); the winner link's table shows its
+    metric columns at the widths the shared view sets, wider than MLflow's 100 px."""
+    import re
+
+    from pipelines.outbox import experiment
+    from pipelines.tracking import WINNER_COLUMNS, run_link, runs_link
+    from tests.mlflow_checks import rendered_pages
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client, cfg = client_of(uri), tracking_cfg(uri, tmp_path)
+    experiment_id = experiment(client, "regraft", str(tmp_path / "mlartifacts"))
+    parent = client.create_run(experiment_id, tags={"kind": "pipeline"}, run_name="defaults · 12-07 11:24:38")
+    for number, name in enumerate(WINNER_COLUMNS):
+        client.log_metric(parent.info.run_id, name, 1.0 + number)
+    client.set_terminated(parent.info.run_id)
+    table = runs_link(client, experiment_id, cfg, None)
+    printed = run_link(table, parent.info.run_id)
+    assert printed == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{parent.info.run_id}" \
+                      "?workflowType=machine_learning"
+    own, classic, runs = rendered_pages(uri, [printed.split("?")[0], printed, table], tmp_path / "chromium")
+    crumb = r'data-testid="experiment-observatory-link-runs" href="[^"]*">(\w+)<'
+    assert re.findall(crumb, own) == ["Evaluations"], own[-2000:]  # MLflow's own link: GenAI mode
+    assert re.findall(crumb, classic) == ["Runs"], classic[-2000:]
+    assert "Model registry" in classic and "defaults · 12-07 11:24:38" in classic
+    widths = dict(re.findall(r'col-id="metrics.`([^`]+)`" aria-sort="[^"]*" aria-description="[^"]*" '
+                             r'style="left: \d+px; width: (\d+)px;"', runs))
+    assert set(widths) == set(WINNER_COLUMNS), runs[-2000:]
+    assert all(int(widths[name]) >= 9 * len(name) + 24 for name in WINNER_COLUMNS), widths

@@ -6,8 +6,8 @@ and the drafter to start from (`init`):
 `remap` (the remap stage's output), `scratch` (a fresh layer; lm_head rows from the verifier) or `as_is` (a drafter
 trained on another map, used unchanged: the known way to waste a fine-tune, refused by the guard unless consented).
 Out: `drafter/` (the best drafter by validation loss, sglang layout, the training map's d2t/t2d), `metrics.jsonl`
-(lr and grad norm every optimizer step, the other train metrics every `log_every` steps, validation every epoch,
-preflight), `manifest.json`.
+(every train metric, lr and grad norm included, every `log_every` steps and at the last, validation every
+epoch, preflight), `manifest.json`.
 DeepSpeed checkpoints go to `checkpoint_dir` (default `<out>.checkpoints`), so a stopped run resumes from them.
 The preflight guard is `guard.py`, the training loop `loop.py`.
 

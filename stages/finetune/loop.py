@@ -371,11 +371,12 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                 continue
             progress.step += 1
             bar.update(1)
-            logged = {"lr": lr, "grad_norm": grad_norm}  # every optimizer step: a warmup of 2 steps is seen
+            # every train series at the same steps (log_every=1 shows a warmup step by step), so that a loss point
+            # has its rate and gradient norm beside it
             if progress.step % cfg.log_every == 0 or progress.step == total_steps:
                 elapsed = time.perf_counter() - started
-                logged.update(stats.metrics(), tokens_per_s=tokens * world / max(elapsed, 1e-9))
-            log.write(progress.step, "train", logged)
+                log.write(progress.step, "train", {"lr": lr, "grad_norm": grad_norm, **stats.metrics(),
+                                                   "tokens_per_s": tokens * world / max(elapsed, 1e-9)})
             stopping = stop.agreed(world, engine.device)
             if progress.step % cfg.checkpoint_every == 0 or stopping:
                 save_checkpoint()

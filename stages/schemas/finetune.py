@@ -100,7 +100,7 @@ class FinetuneConfig:
     micro_batch_size: int = setting(4, at_least=1)
     max_length: int = setting(256, at_least=4)
     val_fraction: float = setting(0.05, at_least=0, below=1)
-    log_every: int = setting(10, at_least=1)  # train metrics every this many optimizer steps (validation: every epoch)
+    log_every: int = setting(10, at_least=1)  # every train metric (lr, grad_norm too) every this many optimizer steps (validation: every epoch)
     # measured accept_len every this many optimizer steps and at the end, and the kept state's (`acceptance`;
     # stages/finetune/acceptance.py); 0: off. It needs a target transformers can hold (the built-in world's)
     eval_every: int = setting(0, at_least=0)
