@@ -8,6 +8,8 @@ naming it and the fix, not after an hour of upstream stages with a traceback.
 - every input given as a path exists; chat files are not empty and start with a chat line;
 - a given source drafter is a readable checkpoint (its config and tensor headers) that fits a given target (hidden
   size, vocab size where the probe needs it); draft vocab sizes fit the target vocab;
+- no stage runs an MLA target (DeepSeek-V3's, Kimi-K2's layout) on vLLM's CPU build, which computes MLA attention
+  wrong without a word (docs/families.md, "Who computes MLA as DeepSeek does"), on any launcher;
 - the launcher can start what the stages ask for: Slurm's commands are here (for a run, not a plan), a node has the
   GPUs each stage holds (launcher.node_gpus; locally, this machine shows them), Slurm tasks = finetune.nproc.
 What needs a stage's output (a map built from data, the world's models) is checked by the stage that reads it.
@@ -27,6 +29,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.dag import REFERENCE, Node
+from pipelines.jobs import schema_module
 from pipelines.launchers import Launcher
 from pipelines.schema import RegraftConfig
 from stages.common.engines.credentials import refuse_secrets
@@ -177,6 +180,16 @@ def check_models(cfg: DictConfig) -> None:
                                       same_vocab=bool(cfg.pipeline.probe))
 
 
+def check_vllm_targets(node: Node) -> None:
+    """The node's stage runs no MLA target on vLLM's CPU build (its schema's `check_vllm_targets`, which the stage
+    run alone asks too). Asked here of every node, whatever the launcher: the engine venv, not the machine, decides
+    the build (vllm_engine.cpu_build), and a Slurm job would find out only on its node, hours in, or never."""
+    hooks = schema_module(node.stage)
+    if hasattr(hooks, "check_vllm_targets"):
+        hooks.check_vllm_targets(OmegaConf.create(OmegaConf.to_container(node.config, resolve=True,
+                                                                         enum_to_str=True)), node.stage)
+
+
 class BeforeRunFolder(Callback):
     """A check of the composed config before Hydra makes the run folder and writes `.hydra/` in it."""
 
@@ -216,6 +229,7 @@ def checks_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launche
         lambda: launcher.check_machine(planning), lambda: check_outputs_writable(cfg),
         lambda: check_tracking_reachable(cfg), lambda: check_given_inputs(cfg), lambda: check_chat_template(cfg),
         lambda: check_models(cfg)]
+    checks += [lambda node=node: check_vllm_targets(node) for node in nodes]
     for node in nodes:
         checks.append(lambda node=node: launcher.check(node, OmegaConf.to_container(node.config, resolve=True,
                                                                                      enum_to_str=True)))

@@ -64,7 +64,7 @@ from stages.common.contract.runtime import free_port
 from stages.common.engines.engine_process import HOST, ServerProcess, start_timeout
 from stages.common.engines.sglang_backend import client_url, launch_command
 from stages.common.engines.vllm_engine import VllmEngine, server_command, server_env
-from stages.schemas.regenerate import Engine, Serve, check_regenerate, started_here
+from stages.schemas.regenerate import Engine, Serve, check_regenerate, check_vllm_targets, started_here
 
 WORK_FILE, SETTINGS_FILE = "samples.jsonl", "settings.json"
 ID_DIGITS = 16
@@ -422,6 +422,7 @@ def run(cfg: DictConfig) -> StageResult:
     if (engine is Engine.vllm or serve) and not cfg.target:
         what = f"serve={serve.value}" if serve else "engine=vllm"
         raise RegraftError("target", f"{what} needs the target model", "set target= to the model folder")
+    check_vllm_targets(cfg, "")  # no MLA target on vLLM's CPU build
     # ids are taken over the whole file first, so a sample keeps its id (and its seed) whichever part asks it
     samples = read_samples(Path(cfg.data), cfg.num_samples)
     samples = samples[part_slice(len(samples), cfg.part, cfg.parts, "regenerate", "samples")]

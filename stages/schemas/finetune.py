@@ -13,7 +13,7 @@ from stages.common.contract.stage import register_schema, setting
 from stages.common.data.chat_prompts import EvalSet, check_eval_sets
 from stages.common.drafter.config import check_family
 from stages.common.drafter.loss_mask import LossMask
-from stages.common.engines.vllm_engine import EngineFeaturesConfig, check_engine
+from stages.common.engines.vllm_engine import EngineFeaturesConfig, check_engine, check_mla_target
 
 
 class Init(str, Enum):
@@ -177,6 +177,18 @@ def check_finetune(cfg: DictConfig, where: str) -> None:
     engine = cfg.get("engine")
     if engine is not None and engine.enabled and not engine.server_url:  # the stage starts the server itself
         check_engine(engine.vllm, f"{where}.engine." if where else "engine.")
+        check_vllm_targets(cfg, where)
+
+
+def check_vllm_targets(cfg: DictConfig, where: str) -> None:
+    """No MLA target on the vLLM CPU build of the states server the stage starts itself (features.mode=online;
+    vllm_engine.check_mla_target): asked of the stage run alone (check_finetune) and of a pipeline's finetune nodes
+    (pipelines/preflight.py). A server at engine.server_url is another's: its build cannot be read here."""
+    engine, prefix = cfg.get("engine"), f"{where}." if where else ""
+    if engine is not None and engine.enabled and not engine.server_url:
+        check_mla_target(engine.vllm, cfg.get("target"), f"{prefix}engine.", "features.mode=offline with "
+                         "features.backend=hf (transformers) in a pipeline, engine.enabled=false alone",
+                         "the states it trains on")
 
 
 register_schema("finetune", FinetuneConfig, check=check_finetune)

@@ -12,7 +12,8 @@ from stages.common.contract.stage import register_schema, setting
 from stages.common.data.chat_prompts import EvalSet, check_eval_sets
 from stages.common.engines.engine_process import interpreter_found
 from stages.common.engines.sglang_backend import SglangConfig
-from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_engine_here, engine_holds
+from stages.common.engines.vllm_engine import (VllmConfig, check_engine, check_engine_here, check_mla_target,
+                                                engine_holds)
 
 
 class Backend(str, Enum):
@@ -51,6 +52,7 @@ def check_probe(cfg: DictConfig, where: str) -> None:
     check_eval_sets(cfg.eval_sets, f"{prefix}eval_sets")
     if Backend(cfg.backend) is Backend.vllm:
         check_engine(cfg.vllm, prefix)
+        check_vllm_targets(cfg, where)
     if Backend(cfg.backend) is not Backend.sglang and cfg.topk != 1:
         raise RegraftError(f"{prefix}topk={cfg.topk}",
                            f"the {Backend(cfg.backend).value} backend drafts a chain (topk 1)",
@@ -58,6 +60,14 @@ def check_probe(cfg: DictConfig, where: str) -> None:
     if cfg.dtype not in DTYPES:
         raise RegraftError(f"{prefix}dtype={cfg.dtype}", "is not a dtype the probe runs in",
                            f"set {prefix}dtype= to {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
+
+
+def check_vllm_targets(cfg: DictConfig, where: str) -> None:
+    """No MLA target on vLLM's CPU build (vllm_engine.check_mla_target): asked of the stage run alone (check_probe)
+    and of every probe node of a pipeline, evaluate and baseline_evaluate too (pipelines/preflight.py)."""
+    prefix = f"{where}." if where else ""
+    if Backend(cfg.backend) is Backend.vllm:
+        check_mla_target(cfg.vllm, cfg.get("target"), prefix, f"{prefix}backend=hf (transformers)", "its accept_len")
 
 
 def check_before_work(cfg: dict, stage: str) -> None:

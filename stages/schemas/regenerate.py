@@ -13,7 +13,7 @@ from stages.common.contract.stage import register_schema, setting
 from stages.common.engines.credentials import DEFAULT_KEY_ENV, refuse_secrets
 from stages.common.engines.engine_process import interpreter_found, on_this_machine
 from stages.common.engines.sglang_backend import SglangConfig
-from stages.common.engines.vllm_engine import VllmConfig, check_engine, engine_holds
+from stages.common.engines.vllm_engine import VllmConfig, check_engine, check_mla_target, engine_holds
 
 
 class Engine(str, Enum):
@@ -91,9 +91,20 @@ def check_regenerate_engine(cfg: DictConfig, where: str) -> None:
     serve = started_here(cfg)
     if Engine(cfg.engine) is Engine.vllm or serve is Serve.vllm:
         check_engine(cfg.vllm, prefix)
+        check_vllm_targets(cfg, where)
     if serve is Serve.sglang and not interpreter_found(cfg.sglang.python):
         raise RegraftError(f"{prefix}sglang.python={cfg.sglang.python}", "no such interpreter here",
                            f"set {prefix}sglang.python= to an interpreter with sglang installed, or {prefix}serve=vllm")
+
+
+def check_vllm_targets(cfg: DictConfig, where: str) -> None:
+    """No MLA target on vLLM's CPU build, its offline engine or the server it starts (vllm_engine.check_mla_target):
+    asked where the stage will run (check_regenerate_engine) and of a pipeline's regenerate nodes
+    (pipelines/preflight.py)."""
+    prefix = f"{where}." if where else ""
+    if Engine(cfg.engine) is Engine.vllm or started_here(cfg) is Serve.vllm:
+        check_mla_target(cfg.vllm, cfg.get("target"), prefix, f"{prefix}engine=openai with {prefix}server_url= of "
+                         "a server on a GPU", "the answers it writes")
 
 
 def check_before_work(cfg: dict, stage: str) -> None:

