@@ -52,7 +52,10 @@ MACHINE = {
     "probe.dtype=float32": "in bf16 the hf path's verify forward (several positions) rounds unlike its decode forward "
                            "(one), and greedy paths part where two tokens nearly tie (this rehearsal found it); "
                            "float32 holds them token for token",
-    "features.vllm_connector=cpu": "vLLM's stock hidden-states connector pins memory, which needs a GPU",
+    "features.backend=hf": "vLLM 0.32's CPU rotary op misreads the views MLA attention passes it, so every state "
+                           "its engine gives an MLA target is wrong (docs/families.md, 'Who computes MLA as DeepSeek "
+                           "does'), and regraft refuses it: the features (and diagnose, which follows them) are read "
+                           "through transformers",
     "launcher.node_gpus=null": "the experiment's node has 8 GPUs, this machine none: counted here, no stage holds one",
 }
 SERVER_TOKENS = 12  # greedy tokens per prompt in the server-vs-transformers check

@@ -1,6 +1,6 @@
 """The dress rehearsal of `experiment=kimi_k25` (bench/rehearsal.py): the real experiment file on a miniature of
-Kimi-K2.5 in its released layout, a real `vllm serve` for regenerate, vLLM's CPU engine for the features, the probes
-on the hf path (bench/rehearsal.py MACHINE says why), DeepSpeed bf16 ZeRO-2 over two ranks. About five minutes:
+Kimi-K2.5 in its released layout, a real `vllm serve` for regenerate, the features and probes on the hf path
+(bench/rehearsal.py MACHINE says why), DeepSpeed bf16 ZeRO-2 over two ranks. About five minutes:
 marked long (`make test PYTEST_ARGS="-m long"`)."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_the_experiment_runs_end_to_end_as_written(rehearsal):
                          "regenerate.server_url", "paths.outputs", "features.vllm.python"} \
         == {item.split("=", 1)[0] for item in (*SIZES, *MACHINE)}
     config = summary["config"]
-    assert config["features"]["backend"] == "vllm" and config["probe"]["backend"] == "hf"
+    assert config["features"]["backend"] == "hf" and config["probe"]["backend"] == "hf"
     assert config["finetune"]["deepspeed"] == {**config["finetune"]["deepspeed"], "zero_stage": 2, "bf16": True}
 
 
