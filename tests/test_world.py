@@ -18,7 +18,7 @@ from stages.common.data.chat import load_tokenizer, read_conversations
 from stages.common.contract.stage import CONF_DIR, compose_stage
 from stages.common.drafter.vocab import VocabMap, build_vocab_map, compare_vocab_maps
 from stages.vocab_map import count_assistant_tokens
-from stages.world.corpus import in_style, tokens_reversed, words_reversed
+from stages.world.corpus import in_style, tokens_reversed, word_cipher, words_reversed, words_substituted
 from stages.world.toy import assistant_loss, fresh_decoder, generate_answers
 
 FILES = ["tokenizer", "data_a.jsonl", "target_a", "target_b", "data_b.jsonl", "prompts_b.jsonl", "prompts_b_prose.jsonl",
@@ -197,6 +197,10 @@ def test_a_fresh_decoder_keeps_only_the_token_embeddings_and_lm_head():
     assert all(torch.equal(old[name], new[name]) for name in kept)
     assert all(not torch.equal(old[name], new[name]) for name in old if name.endswith("proj.weight"))
     assert all(torch.equal(new[name], same[name]) for name in new)  # seeded
+    unrelated = fresh_decoder(model, seed=3, keep_tokens=False).state_dict()  # b_init=new: nothing of A's kept
+    assert all(not torch.equal(old[name], unrelated[name]) for name in old if name.endswith("weight") and
+               "norm" not in name)
+    assert all(torch.equal(new[name], unrelated[name]) for name in new if name not in kept)  # the same draw
 
 
 def test_reversed_answers_keep_their_words_or_tokens_and_the_questions(built):
@@ -210,6 +214,19 @@ def test_reversed_answers_keep_their_words_or_tokens_and_the_questions(built):
     assert in_style(chat, "same") is chat
     assert in_style(chat, "words_reversed") == [chat[0], {"role": "assistant", "content": "one. adds It"}]
     assert in_style(chat, "tokens_reversed", tokenizer)[0] == chat[0]
+
+
+def test_substituted_answers_swap_whole_words_one_for_one(built):
+    tokenizer = load_tokenizer(built / "tokenizer")
+    cipher = word_cipher(tokenizer)
+    assert len(cipher) > 100 and sorted(cipher) == sorted(cipher.values())  # a permutation of the whole words
+    assert sum(word != swapped for word, swapped in cipher.items()) > 0.9 * len(cipher)
+    assert all(tokenizer.decode([word]).startswith(" ") for word in cipher)
+    text = "Return the sum of the values."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    written = tokenizer.encode(words_substituted(text, tokenizer), add_special_tokens=False)
+    assert written == [cipher.get(token, token) for token in ids] and written != ids  # re-encodes to the swap
+    assert word_cipher(load_tokenizer(built / "tokenizer")) == cipher  # fixed: the same tokenizer, the same cipher
 
 
 @pytest.fixture(scope="module")

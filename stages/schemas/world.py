@@ -14,6 +14,7 @@ class BInit(str, Enum):
     # A's token embeddings and lm_head, but decoder layers and final norm from their own random init, trained on
     # domain A as A was, then on domain B: every hidden state a drafter trained on A reads is new, not a map of A's
     fresh = "fresh"
+    new = "new"  # every weight from its own random init, token embeddings and lm_head too, trained on A then B
 
 
 class BStyle(str, Enum):
@@ -22,6 +23,7 @@ class BStyle(str, Enum):
     # learned continuations are a wrong prior: each answer's words in reverse order, or its tokens
     words_reversed = "words_reversed"
     tokens_reversed = "tokens_reversed"
+    words_substituted = "words_substituted"  # each whole-word token written as another (a fixed permutation)
 
 
 @dataclass

@@ -181,7 +181,7 @@ def start_of_b(model_a, tokenizer, domains: Domains, cfg: DictConfig, metrics: d
     fresh decoder trained on domain A as A was (b_init=fresh), so that B knows what A knows in states of its own."""
     if cfg.b_init == "a":
         return copy.deepcopy(model_a)
-    model_b = fresh_decoder(model_a, seed=cfg.seed + 3)
+    model_b = fresh_decoder(model_a, seed=cfg.seed + 3, keep_tokens=cfg.b_init == "fresh")
     metrics["target_b_train_loss_a"] = train_target(model_b, tokenizer, domains.train_a, cfg, cfg.steps_a,
                                                     cfg.seed + 3, "target_b on domain a")
     return model_b

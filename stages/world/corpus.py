@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import random
 import re
 import sysconfig
 from dataclasses import dataclass
@@ -73,7 +74,36 @@ def tokens_reversed(text: str, tokenizer) -> str:
     return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[::-1])
 
 
-STYLES = {"words_reversed": words_reversed, "tokens_reversed": tokens_reversed}  # WorldConfig.b_style, but same
+def words_substituted(text: str, tokenizer) -> str:
+    """The text with every whole-word token swapped for another by a fixed permutation (a substitution cipher):
+    the same sentences' shape, punctuation and word pieces, but each word the vocabulary holds whole written as
+    another, so what a drafter learned follows a word is the wrong word."""
+    cipher = word_cipher(tokenizer)
+    return tokenizer.decode([cipher.get(token, token) for token in tokenizer.encode(text, add_special_tokens=False)])
+
+
+_CIPHERS: dict[tuple, dict[int, int]] = {}  # by vocabulary: every chat of a world is written with one cipher
+
+
+def word_cipher(tokenizer) -> dict[int, int]:
+    """A permutation of the tokenizer's whole-word ids (a space, then letters, re-encoded to that one id), drawn
+    with a fixed seed from the sorted ids: the same tokenizer gives the same cipher."""
+    key = tuple(sorted(tokenizer.get_vocab().items()))
+    if key not in _CIPHERS:
+        words = sorted(token for token in tokenizer.get_vocab().values() if _whole_word(tokenizer, token))
+        shuffled = words[:]
+        random.Random(0).shuffle(shuffled)
+        _CIPHERS[key] = dict(zip(words, shuffled))
+    return _CIPHERS[key]
+
+
+def _whole_word(tokenizer, token: int) -> bool:
+    text = tokenizer.decode([token])
+    return bool(re.fullmatch(r" [A-Za-z]+", text)) and tokenizer.encode(text, add_special_tokens=False) == [token]
+
+
+STYLES = {"words_reversed": words_reversed, "tokens_reversed": tokens_reversed,  # WorldConfig.b_style, but same
+          "words_substituted": words_substituted}
 
 
 def in_style(messages: list[dict], style: str, tokenizer=None) -> list[dict]:

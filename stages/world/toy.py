@@ -283,12 +283,15 @@ def generate_answers(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     return out
 
 
-def fresh_decoder(model, seed: int):
-    """A model of `model`'s config and class with its token embeddings and lm_head (copied) and every other
-    weight (decoder layers, final norm) from a random init seeded by `seed`; the global RNG is left as it was."""
+def fresh_decoder(model, seed: int, keep_tokens: bool = True):
+    """A model of `model`'s config and class with its token embeddings and lm_head (copied; with `keep_tokens`)
+    and every other weight (decoder layers, final norm) from a random init seeded by `seed`; the global RNG is
+    left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         fresh = type(model)(model.config)
+    if not keep_tokens:
+        return fresh.eval()
     with torch.no_grad():
         fresh.get_input_embeddings().weight.copy_(model.get_input_embeddings().weight)
         fresh.get_output_embeddings().weight.copy_(model.get_output_embeddings().weight)
