@@ -287,3 +287,58 @@ def test_every_rank_of_a_resumed_run_gets_rank_0s_preflight_figures(tmp_path):
                                 nprocs=2)
     assert [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)] == \
         [{"preflight_loss_0": 1.5}] * 2
+
+
+def test_the_kimi_settings_load_no_deepspeed_op_but_the_cpu_all_reduce(trained_target, chats, training_map, tmp_path,
+                                                                        monkeypatch):
+    """Nothing in a fine-tune needs a compiler on a GPU node: under the experiment's ZeRO-2 and bf16 the only
+    DeepSpeed op loaded is the shared-memory all-reduce of CPU ranks (built at install; NCCL replaces it on GPUs).
+    The optimizer is torch's AdamW handed to DeepSpeed, so none of DeepSpeed's JIT-built fused optimizers is asked
+    for; a config that named one (`optimizer: {type: Adam}`) would build FusedAdam with nvcc at the first step."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    loaded: list[str] = []
+    load = OpBuilder.load
+
+    def recorded(self, *args, **kwargs):
+        loaded.append(self.name)
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(OpBuilder, "load", recorded)
+    cfg = compose_stage("finetune", [f"target={trained_target}", f"data={chats}", f"vocab_map={training_map}",
+                                     "init=scratch", "ttt_steps=2", "micro_batch_size=4", "max_length=48",
+                                     "val_fraction=0.2", "max_steps=2", "deepspeed.zero_stage=2",
+                                     "deepspeed.bf16=true", f"out={tmp_path / 'out'}"])
+    finetune.run(cfg)
+    assert set(loaded) <= {"deepspeed_shm_comm"}, loaded
+    from stages.finetune.loop import deepspeed_config
+
+    assert "optimizer" not in deepspeed_config(cfg, total_steps=2, device=torch.device("cpu"))
+
+
+def test_a_deepspeed_config_that_names_an_optimizer_would_build_one():
+    """The other answer, so the spy above is known to see a build: DeepSpeed given `optimizer: {type: Adam}` asks for
+    its JIT-built fused_adam op (nvcc on a GPU node) at initialize; the spy stops it before any compile."""
+    import deepspeed
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from stages.finetune import init_distributed
+
+    class Asked(Exception):
+        pass
+
+    load = OpBuilder.load
+
+    def refuse_builds(self, *args, **kwargs):
+        if self.name != "deepspeed_shm_comm":  # gloo's CPU all-reduce, built at install
+            raise Asked(self.name)
+        return load(self, *args, **kwargs)
+
+    init_distributed(False, 0)
+    model = torch.nn.Linear(8, 8)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(OpBuilder, "load", refuse_builds)
+        with pytest.raises(Asked, match="fused_adam"):
+            deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                 config={"train_micro_batch_size_per_gpu": 1,
+                                         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
