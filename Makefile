@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
+# which build of it: the CPU one, or on a node where nvidia-smi lists a GPU a CUDA one that runs Blackwell
+# (REGRAFT_TORCH=auto|cpu|cu130|cu128: tools/torch_wheel.py), asked once, when the recipe runs
+TORCH_WHEEL = $(eval TORCH_WHEEL := $(shell $(PYTHON) tools/torch_wheel.py $(patsubst torch==%,%,$(TORCH))))$(TORCH_WHEEL)
 STAMP := $(VENV)/.installed
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
@@ -30,7 +33,8 @@ venv: $(STAMP)
 # meets ==2.13.0) and never fetches a build of its own.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH) uv
+	test -n "$(TORCH_WHEEL)"  # tools/torch_wheel.py said why above
+	$(BIN)/pip install --quiet $(TORCH_WHEEL) uv
 	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]' $(TORCH)
 	$(BIN)/python -c "from stages.finetune import build_cpu_ops; build_cpu_ops()"  # DeepSpeed's CPU op, ~1 min
 	touch $(STAMP)
