@@ -19,6 +19,7 @@ from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
 from pipelines.cache import CacheCheck, keys_for
+from pipelines.data_sets import settle_data
 from pipelines.dag import PHASE1, Node, build_nodes, evaluate_node
 from pipelines.launchers import Launcher, make_launcher
 from pipelines.preflight import check_before_any_work
@@ -88,6 +89,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     start, console = time.perf_counter(), console or Console()
     run_dir.mkdir(parents=True, exist_ok=True)
     compute_as_every_cpu()  # every stage computes as on any x86 CPU (contract/runtime.py); its jobs inherit it
+    settle_data(cfg)  # named sets (mtbench, sharegpt, ...) as chat JSONL in the cache, before any stage
     nodes = build_nodes(cfg)
     launcher = make_launcher(cfg.launcher, run_dir / "jobs")
     check_before_any_work(cfg, nodes, launcher)

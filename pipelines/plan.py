@@ -22,6 +22,7 @@ from rich.table import Table
 
 from pipelines.cache import keys_for, output_dir
 from pipelines.dag import Node, build_nodes, resolve, training_data
+from pipelines.data_sets import dataset_line, settle_data
 from pipelines import estimates
 from pipelines.estimates import Estimate, PlanContext, device_rate, estimate
 from pipelines.launchers import Launcher, SlurmLauncher, make_launcher
@@ -202,6 +203,7 @@ def plan_pipeline(cfg: DictConfig, run_dir: Path, console: Console) -> dict[str,
     """The plan of this config: checked, its DAG with cache states, resources and estimates; written to
     `run_dir/plan.json` (and the Slurm batch scripts). Returns what plan.json holds."""
     estimates.KEPT = Path(cfg.paths.outputs) / "estimates"
+    datasets = settle_data(cfg, fetch=False)  # by name; fetched by the run, not the plan
     nodes = build_nodes(cfg)
     launcher = make_launcher(cfg.launcher, run_dir / "jobs")
     problems = problems_before_any_work(cfg, nodes, launcher)
@@ -224,7 +226,7 @@ def plan_pipeline(cfg: DictConfig, run_dir: Path, console: Console) -> dict[str,
     gpus = launcher.node_gpus()
     plan = {"problems": problems, "device": cfg.plan.device, "rate": rate_note,
             "node_gpus": {"count": gpus.count, "known": gpus.known, "from": gpus.said}, "nodes": rows,
-            "totals": totals(rows), "batch_scripts": {}, "notes": []}
+            "totals": totals(rows), "datasets": datasets, "batch_scripts": {}, "notes": []}
     if cfg.pipeline.race:
         plan["notes"].append(RACE_NOTE)
     if isinstance(launcher, SlurmLauncher):
@@ -235,6 +237,8 @@ def plan_pipeline(cfg: DictConfig, run_dir: Path, console: Console) -> dict[str,
         plan["batch_scripts"][name] = str(path)
     write_atomically(run_dir / "plan.json", json.dumps(plan, indent=2))
     print_whole(console, plan_table(rows, plan["totals"], cfg.plan.device, cfg.launcher.name))
+    for entry in datasets:
+        console.print(f"data: {dataset_line(entry)}", highlight=False, soft_wrap=True)
     console.print(node_gpus_line(launcher), highlight=False, soft_wrap=True)
     console.print(f"device time: FLOPs over {rate_note}; plan.json has GPU-hours per node", highlight=False,
                   soft_wrap=True)

@@ -29,6 +29,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.dag import REFERENCE, Node
+from pipelines.data_sets import unfetched
 from pipelines.jobs import schema_module
 from pipelines.launchers import Launcher
 from pipelines.schema import RegraftConfig
@@ -98,12 +99,14 @@ def given_inputs(cfg: DictConfig) -> list[tuple[str, str]]:
 
 
 def check_given_inputs(cfg: DictConfig) -> None:
-    for key, value in given_inputs(cfg):
+    # a named set a plan lists but has not fetched is left out: the run fetches it first (pipelines/data_sets.py)
+    inputs = [(key, value) for key, value in given_inputs(cfg) if not (given(value) and unfetched(value, cfg))]
+    for key, value in inputs:
         if given(value) and not Path(value).exists():
             setting = f"the path of {key}" if key.startswith("data.eval_sets.") else f"{key}="
             raise RegraftError(value, f"{key} does not exist",
                                f"point {setting} at it, or use the built-in example ({key.split('.')[0]}=toy)")
-    for key, value in given_inputs(cfg):
+    for key, value in inputs:
         if key.startswith("data.") and given(value):
             # the training chats are learned from their assistant turns, unless the target writes them anew
             check_chat_file(Path(value), key, needs_answers=key == "data.train" and not cfg.pipeline.regenerate)

@@ -15,6 +15,7 @@ from omegaconf import MISSING, OmegaConf
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import CHECKS, check_config, register_schema, setting
 from stages.common.data.chat_prompts import EvalSet, check_eval_sets
+from stages.common.data.named import describe
 from stages.common.drafter.config import check_family
 from stages.schemas.compare import CompareConfig
 from stages.schemas.diagnose import DiagnoseConfig
@@ -79,10 +80,12 @@ CHECKS[SourceConfig] = check_source
 
 @dataclass
 class DataConfig:
-    train: str = MISSING  # chat JSONL for vocab_map, features and finetune (pipeline.regenerate: the prompts the
-    # new target answers first)
-    # {name, path}: chat JSONL whose user turns the probe asks (phase 0 and 1), or builtin; each measured on its own
-    eval_sets: list[EvalSet] = field(default_factory=lambda: [EvalSet("builtin", "builtin")])
+    # chat JSONL for vocab_map, features and finetune (pipeline.regenerate: the prompts the new target answers
+    # first), or a named set (sharegpt, ultrachat) or {name, dataset, split, ...}: stages/common/data/named.py
+    train: Any = MISSING
+    # each a {name, path} chat JSONL whose user turns the probe asks (phase 0 and 1), or builtin; or a named set
+    # (mtbench, humaneval, gsm8k, math500) or {name, dataset, split, ...}; each measured on its own
+    eval_sets: list[Any] = field(default_factory=lambda: [EvalSet("builtin", "builtin")])
 
 
 class LauncherName(str, Enum):
@@ -253,7 +256,9 @@ class RegraftConfig:
 register_schema("target", TargetConfig)
 register_schema("source", SourceConfig)
 def check_data(cfg, where: str) -> None:
-    check_eval_sets(cfg.eval_sets, f"{where}.eval_sets")
+    """Every entry a known name, a path or a set's fields (one line listing the known names otherwise)."""
+    describe(cfg.train, f"{where}.train")
+    check_eval_sets([describe(entry, f"{where}.eval_sets") for entry in cfg.eval_sets], f"{where}.eval_sets")
 
 
 CHECKS[DataConfig] = check_data

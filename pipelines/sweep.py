@@ -26,6 +26,7 @@ from rich.console import Console
 
 from pipelines.cache import CacheCheck, keys_for
 from pipelines.dag import Node, build_nodes, substitute
+from pipelines.data_sets import settle_data
 from pipelines.launchers import make_launcher
 from pipelines.preflight import check_before_any_work
 from pipelines.runner import NodeResult, run_dag
@@ -65,6 +66,7 @@ def plan_member(cfg: DictConfig) -> Member:
     if cfg.pipeline.plan:
         raise RegraftError("pipeline.plan=true", "plans one run, not a sweep",
                            "drop -m and plan one setting of the sweep (its shared stages are planned with it)")
+    settle_data(cfg)  # named sets as chat JSONL paths before the config is resolved against the stages' schemas
     OmegaConf.resolve(cfg)  # paths.run is this member's folder: ${hydra:runtime.output_dir}
     nodes = build_nodes(cfg)
     check_before_any_work(cfg, nodes, make_launcher(cfg.launcher, Path(cfg.paths.run) / "jobs"))

@@ -208,6 +208,12 @@ def test_the_kimi_plan_on_slurm_gives_engine_stages_8_gpus_and_fine_tunes_8_rank
     assert rows["regenerate"]["holds"]["gpus"] == rows["diagnose"]["holds"]["gpus"] == 8  # its own server; vLLM
     noted = any(note.startswith("Slurm's commands are not on this machine") for note in plan["notes"])
     assert noted is not slurm_here
+    # its data by name, listed and not fetched: the run fetches them first (docs/data.md)
+    assert [(entry["name"], entry["dataset"]) for entry in plan["datasets"]] == [
+        ("sharegpt", "Aeala/ShareGPT_Vicuna_unfiltered"), ("mtbench", "HuggingFaceH4/mt_bench_prompts"),
+        ("humaneval", "openai/openai_humaneval"), ("gsm8k", "openai/gsm8k"), ("math500", "HuggingFaceH4/MATH-500")]
+    assert "data: data.eval_sets gsm8k: openai/gsm8k main/test, question (fetched at the run's start)" in stdout
+    assert not [problem for problem in plan["problems"] if "data." in problem], plan["problems"]
 
 
 def test_the_kimi_plan_on_cpu_nodes_asks_for_no_gpu(tmp_path):
