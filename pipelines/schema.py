@@ -149,13 +149,24 @@ class PipelineSwitches:
 
 
 def default_devices() -> dict[str, dict[str, Any]]:
-    """{device: {tflops, utilisation, memory_gb}}: peak dense TFLOP/s of the training dtype (None: measured here,
-    float32), the share of it the stages reach, and one GPU's memory (the plan checks a fine-tune rank's peak
-    against it). NVIDIA's datasheets: H100 SXM 989 dense bf16 and 80 GB, H200 SXM 989 and 141 GB, A100 SXM 312 and
-    80 GB, HGX B200 2,250 and 180 GB (1,440 GB over 8 GPUs; the chip carries 192, nvidia-smi shows 179). The 40%
-    utilisation is an assumption, set it to what your runs reach."""
+    """{device: {tflops, utilisation, memory_gb}}: peak dense TFLOP/s of the training dtype, bf16 (None: measured
+    here, float32), the share of it the stages reach, and one GPU's memory (the plan checks a fine-tune rank's peak
+    against it). Per GPU, dense (half the datasheets' "with sparsity" figures), from NVIDIA's datasheets:
+
+    | GPU                      | bf16 TFLOP/s | fp8 TFLOP/s | memory                                    |
+    | A100 SXM                 |   312        |   -         |  80 GB                                    |
+    | H100 SXM, H200 SXM       |   989        | 1,979       |  80 GB, 141 GB                            |
+    | B200 (HGX B200)          | 2,250        | 4,500       | 180 GB (1,440 GB over 8; the chip 192)    |
+    | GB200 (GB200 NVL72)      | 2,500        | 5,000       | 186 GB (13.4 TB over 72)                  |
+    | B300 (HGX B300)          | 2,250        | 4,500       | 288 GB (2.3 TB over 8)                    |
+
+    The fine-tunes train in bf16, so `tflops` is the bf16 column; a run priced for FP8 training sets
+    `plan.devices.<gpu>.tflops` to the fp8 one. The 40% utilisation is an assumption, set it to what your runs
+    reach."""
     return {"cpu": {"tflops": None, "utilisation": 1.0, "memory_gb": None},
             "b200": {"tflops": 2250.0, "utilisation": 0.4, "memory_gb": 180.0},
+            "gb200": {"tflops": 2500.0, "utilisation": 0.4, "memory_gb": 186.0},
+            "b300": {"tflops": 2250.0, "utilisation": 0.4, "memory_gb": 288.0},
             "h200": {"tflops": 989.0, "utilisation": 0.4, "memory_gb": 141.0},
             "h100": {"tflops": 989.0, "utilisation": 0.4, "memory_gb": 80.0},
             "a100": {"tflops": 312.0, "utilisation": 0.4, "memory_gb": 80.0}}
@@ -166,8 +177,8 @@ class PlanConfig:
     """pipeline.plan: what the estimates of pipelines/estimates.py assume."""
 
     device: str = "cpu"  # a key of devices: the GPU-hours are FLOPs over its rate
-    devices: dict[str, Any] = field(default_factory=default_devices)  # add one: '+plan.devices.gb200={tflops: 2500,
-    # utilisation: 0.4, memory_gb: 186}'
+    devices: dict[str, Any] = field(default_factory=default_devices)  # add one: '+plan.devices.mi355x={tflops:
+    # 2500, utilisation: 0.4, memory_gb: 288}'
     sample_rows: int = setting(2000, at_least=1)  # rows of a chat file tokenized to count its tokens; the rest scaled
 
 

@@ -107,8 +107,8 @@ def test_a_plan_lists_every_problem_and_exits_1(tmp_path):
 def test_a_device_the_plan_does_not_know_is_a_problem_not_a_crash(tmp_path):
     done = regraft(tmp_path, *TINY, "pipeline.plan=true", "plan.device=tpu")
     assert done.returncode == 1 and "Traceback" not in done.stdout and "crashed" not in done.stdout
-    assert the_plan(tmp_path)["problems"] == ["plan.device=tpu: is not one of plan.devices (cpu, b200, h200, h100, a100) "
-                                              "(fix: set plan.device= to one of them, or add it: "
+    assert the_plan(tmp_path)["problems"] == ["plan.device=tpu: is not one of plan.devices (cpu, b200, gb200, b300, "
+                                              "h200, h100, a100) (fix: set plan.device= to one of them, or add it: "
                                               "'+plan.devices.tpu={tflops: 2250, utilisation: 0.4}')"]
 
 
