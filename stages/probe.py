@@ -19,9 +19,11 @@ Backends:
 Out: `per_prompt.csv`, `report.json`, `acceptance.png` (hf, vllm), `engine.log` (vllm),
 `server.log` (sglang) and `manifest.json`.
 
-Two accept lengths (one set of prompts, a drafter that never hits gives 1.0 in both):
-- `accept_len`: emitted tokens / target forwards, the prefill counted (regraft's, all backends; sglang: its
-  `completion_tokens / spec_verify_ct`).
+Three accept lengths (one set of prompts, a drafter that never hits gives 1.0 in each):
+- `accept_len`: emitted tokens / target forwards, the prefill counted, pooled over every turn (regraft's headline,
+  all backends; sglang: its `completion_tokens / spec_verify_ct`).
+- `accept_len_per_request`: the mean over turns of each turn's own tokens / forwards, what a benchmark averaging
+  per-request figures reports; it can rank two drafters unlike the pooled one (docs/engines.md says who reports which).
 - `accept_len_vllm` (vllm only): `1 + accepted / drafts`, vLLM's, which leaves the prefill out (higher on short
   answers).
 
@@ -42,8 +44,8 @@ from stages.common.contract.artifacts import StagedOutput, staged_output
 from stages.common.data.chat import load_tokenizer
 from stages.common.data.chat_prompts import prompt_ids, stop_ids
 from stages.common.contract.stage import StageResult, stage_main
-from stages.common.drafter.acceptance import (WARM_UP, accept_length, asked_turns, chat_renderer,
-                                              load_eval_sets, per_set)
+from stages.common.drafter.acceptance import (WARM_UP, accept_length, accept_length_per_request, asked_turns,
+                                              chat_renderer, load_eval_sets, per_set)
 from stages.common.drafter.checkpoint import DrafterCheckpoint
 from stages.common.drafter.config import check_drafter_fits_target, parse_config, target_config
 from stages.common.drafter.eagle3 import Eagle3Drafter
@@ -231,7 +233,8 @@ def acceptance(per_position: list[int], drafts: int) -> dict[str, float]:
 def summarise(rows: list[dict], extra: dict[str, float], num_steps: int, backend: Backend) -> dict[str, float]:
     tokens = sum(row["completion_tokens"] for row in rows)
     seconds = sum(row["seconds"] for row in rows)
-    metrics = {"accept_len": accept_length(rows), "tok_s": tokens / seconds if seconds else float("nan"),
+    metrics = {"accept_len": accept_length(rows), "accept_len_per_request": accept_length_per_request(rows),
+               "tok_s": tokens / seconds if seconds else float("nan"),
                "completion_tokens": tokens, "turns": len(rows), "num_steps": num_steps, **extra}
     if backend is not Backend.sglang:
         plain_seconds = sum(row["plain_seconds"] for row in rows)

@@ -13,7 +13,8 @@ from pipelines.store import step_metrics
 from stages import finetune
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import check_config
-from stages.common.drafter.acceptance import load_eval_sets, load_prompts
+from stages.common.drafter.acceptance import (accept_length, accept_length_per_request, load_eval_sets, load_prompts,
+                                              per_set)
 from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.finetune.acceptance import AcceptanceProbe
 from stages.schemas.finetune import FinetuneConfig
@@ -99,3 +100,20 @@ def test_the_measured_prompts_are_held_out_from_the_probes(chats):
     assert len(held_out) == 5 and sets == ["chat"] * 5
     assert held_out == load_prompts(str(chats), 13, seed=0)[8:]  # the next ones in the probe's own order
     assert probe == load_prompts(str(chats), 13, seed=0)[:8]
+
+
+def test_pooled_and_per_request_accept_len_can_rank_two_drafters_differently():
+    """Pooled (tokens over verify steps of all turns, the headline) weighs a long answer by its length; the mean of
+    per-request figures weighs every turn alike. One drafter fast on a long answer, one fast on many short ones."""
+    def turns(*pairs):
+        return [{"completion_tokens": tokens, "verify_steps": steps, "conversation": 0} for tokens, steps in pairs]
+
+    long_answer_fast = turns((100, 25), (4, 4), (4, 4))  # pooled 108/33 = 3.27, per request (4+1+1)/3 = 2.0
+    short_answers_fast = turns((100, 50), (4, 1), (4, 1))  # pooled 108/52 = 2.08, per request (2+4+4)/3 = 3.33
+    assert accept_length(long_answer_fast) == pytest.approx(108 / 33)
+    assert accept_length_per_request(long_answer_fast) == pytest.approx(2.0)
+    assert accept_length(long_answer_fast) > accept_length(short_answers_fast)
+    assert accept_length_per_request(long_answer_fast) < accept_length_per_request(short_answers_fast)
+    same = turns((10, 5), (10, 5))  # equal turns: the two agree
+    assert accept_length(same) == accept_length_per_request(same) == 2.0
+    assert per_set(long_answer_fast, ["chat"])["accept_len_per_request/chat"] == pytest.approx(2.0)

@@ -68,14 +68,27 @@ def load_eval_sets(eval_sets: list, count: int, seed: int, skip: int = 0) -> tup
     return conversations, sets
 
 
+def accept_length_per_request(rows: list[dict]) -> float:
+    """The mean over requests (turns) of each one's completion tokens over its verify steps: what a benchmark that
+    averages per-request acceptance reports (SGLang's per-request `spec_accept_length`, averaged). It weighs a short
+    answer as much as a long one, so it can rank two drafters unlike `accept_length`, the pooled figure regraft
+    decides by (vLLM's and SpecForge's benchmarker's)."""
+    counted = [row for row in rows if row["verify_steps"] > 0]
+    if not counted:
+        return accept_length(rows)  # says why in one line
+    return sum(row["completion_tokens"] / row["verify_steps"] for row in counted) / len(counted)
+
+
 def per_set(rows: list[dict], sets: list[str]) -> dict[str, float]:
-    """accept_len, completed tokens and turns of each set (`accept_len/<set>`, ...); rows gain their `set`."""
+    """accept_len (pooled and per-request), completed tokens and turns of each set (`accept_len/<set>`, ...); rows
+    gain their `set`."""
     for row in rows:
         row["set"] = sets[row["conversation"]]
     metrics: dict[str, float] = {}
     for name in dict.fromkeys(sets):
         mine = [row for row in rows if row["set"] == name]
         metrics.update({f"accept_len/{name}": accept_length(mine),
+                        f"accept_len_per_request/{name}": accept_length_per_request(mine),
                         f"completion_tokens/{name}": sum(row["completion_tokens"] for row in mine),
                         f"turns/{name}": len(mine)})
     return metrics
