@@ -22,7 +22,7 @@ from pipelines.cache import CacheCheck, keys_for
 from pipelines.data_sets import settle_data
 from pipelines.dag import PHASE1, Node, build_nodes, evaluate_node
 from pipelines.launchers import Launcher, make_launcher
-from pipelines.preflight import check_before_any_work
+from pipelines.preflight import check_before_any_work, engine_version_warnings
 from pipelines.race import race_summary, race_table, rung_runner, run_race
 from pipelines.runner import NodeResult, pending, run_dag
 from pipelines.summary import finish_run
@@ -93,6 +93,8 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     nodes = build_nodes(cfg)
     launcher = make_launcher(cfg.launcher, run_dir / "jobs")
     check_before_any_work(cfg, nodes, launcher)
+    for line in engine_version_warnings(nodes):  # a warning: the run goes on (pipelines/preflight.py)
+        console.print(line, markup=False, highlight=False)
     keys = keys_for(nodes)
     get_ready(launcher, cfg, nodes, keys)
     # named by the overrides its sweep varies (`lr=1e-3 init=remap`), else its own or `defaults`

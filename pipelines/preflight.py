@@ -10,6 +10,10 @@ naming it and the fix, not after an hour of upstream stages with a traceback.
   size, vocab size where the probe needs it); draft vocab sizes fit the target vocab;
 - no stage runs an MLA target (DeepSeek-V3's, Kimi-K2's layout) on vLLM's CPU build, which computes MLA attention
   wrong without a word (docs/families.md, "Who computes MLA as DeepSeek does"), on any launcher;
+- an engine venv whose vLLM (or interpreter whose SGLang) is outside the versions regraft's adapters were checked
+  against (stages/common/engines/engine_surface.py CHECKED) is named in one warning line, and the run goes on
+  (`engine_version_warnings`, printed by pipelines/pipeline.py): users bring newer engines, and what the adapters
+  reach can be checked against one with bench/engine_surface.py; a refusal would stop a run that most likely works;
 - the launcher can start what the stages ask for: Slurm's commands are here (for a run, not a plan), a node has the
   GPUs each stage holds (launcher.node_gpus; locally, this machine shows them), Slurm tasks = finetune.nproc.
 What needs a stage's output (a map built from data, the world's models) is checked by the stage that reads it.
@@ -191,6 +195,47 @@ def check_vllm_targets(node: Node) -> None:
     if hasattr(hooks, "check_vllm_targets"):
         hooks.check_vllm_targets(OmegaConf.create(OmegaConf.to_container(node.config, resolve=True,
                                                                          enum_to_str=True)), node.stage)
+
+
+def engines_of(config: dict, stage: str) -> list[tuple[str, str, str]]:
+    """(engine, interpreter, setting) of each engine a node's stage starts itself, from its resolved config: a
+    `backend` or `engine` of vllm (its `vllm.python`), an SGLang server it starts (`sglang.python`), a states server
+    (finetune's `engine`). One at a `server_url` is another's: its version cannot be read here."""
+    found = []
+    vllm, sglang = config.get("vllm") or {}, config.get("sglang") or {}
+    chosen = {config.get("backend"), config.get("engine") if isinstance(config.get("engine"), str) else None}
+    serve = config.get("serve") if config.get("engine") == "openai" and not config.get("server_url") else None
+    if "vllm" in chosen or serve == "vllm":
+        found.append(("vllm", vllm.get("python"), f"{stage}.vllm.python"))
+    if ("sglang" in chosen and not sglang.get("server_url")) or serve == "sglang":
+        found.append(("sglang", sglang.get("python"), f"{stage}.sglang.python"))
+    states = config.get("engine") if isinstance(config.get("engine"), dict) else {}
+    if states.get("enabled") and not states.get("server_url"):
+        found.append(("vllm", (states.get("vllm") or {}).get("python"), f"{stage}.engine.vllm.python"))
+    return [(engine, python, where) for engine, python, where in found if python]
+
+
+def engine_version_warnings(nodes: list[Node]) -> list[str]:
+    """One line per engine interpreter whose engine is outside the versions regraft's adapters were checked against
+    (engine_surface.outside_checked), read from its package metadata without importing it; each interpreter once."""
+    from stages.common.contract.artifacts import installed_distribution
+    from stages.common.engines.engine_process import interpreter_found
+    from stages.common.engines.engine_surface import outside_checked
+    from stages.common.engines.vllm_engine import VllmConfig, engine_python
+
+    lines, seen = [], set()
+    for node in nodes:
+        config = OmegaConf.to_container(node.config, resolve=True, enum_to_str=True)
+        for engine, python, where in engines_of(config, node.name):
+            path = str(engine_python(VllmConfig(python=python))) if engine == "vllm" else python
+            if (engine, path) in seen or not interpreter_found(path):
+                continue  # a missing interpreter is the stage's own check's to name
+            seen.add((engine, path))
+            found = installed_distribution(engine, path)
+            line = found and outside_checked(engine, found[0], found[1], where)
+            if line:
+                lines.append(line)
+    return lines
 
 
 class BeforeRunFolder(Callback):
