@@ -18,15 +18,17 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
-from pipelines.cache import CacheCheck, keys_for
-from pipelines.dag import PHASE1, Node, build_nodes, evaluate_node
-from pipelines.launchers import Launcher, make_launcher
-from pipelines.preflight import check_before_any_work
-from pipelines.race import race_summary, race_table, rung_runner, run_race
-from pipelines.runner import NodeResult, pending, run_dag
-from pipelines.summary import finish_run
-from pipelines.run_names import hydra_invocation
-from pipelines.tracking import Tracker, run_link
+from pipelines.core.cache import CacheCheck, keys_for
+from pipelines.core.dag import PHASE1, Node, build_nodes, evaluate_node
+from pipelines.core.runner import NodeResult, pending, run_dag
+from pipelines.launch.base import Launcher
+from pipelines.launch.make import make_launcher
+from pipelines.modes.preflight import check_before_any_work
+from pipelines.modes.race import race_summary, race_table, rung_runner, run_race
+from pipelines.report.summary import finish_run
+from pipelines.tracking.links import run_link
+from pipelines.tracking.run_names import hydra_invocation
+from pipelines.tracking.tracker import Tracker
 from stages.common.contract.runtime import compute_as_every_cpu
 
 
@@ -117,7 +119,7 @@ def evaluated_turns(out: str) -> list[dict]:
 
 
 def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> tuple[dict[str, NodeResult], dict]:
-    """pipeline.race: the rungs (pipelines/race.py), each a run of cached nodes; then the winner evaluated as phase 1."""
+    """pipeline.race: the rungs (pipelines/modes/race.py), each a run of cached nodes; then the winner evaluated as phase 1."""
     run_rungs = rung_runner(cfg, launcher, tracker, console)
     nodes, results, outcome = run_race(cfg, run_rungs)
     if cfg.pipeline.evaluate:  # every finalist measured as phase 1 is; the one that accepts more is phase 1

@@ -15,17 +15,41 @@ from typing import Any, Iterator, Protocol
 from omegaconf import DictConfig
 from rich.console import Console
 
-from pipelines.cache import CacheCheck, is_complete, keys_for, output_dir, verified_hit
-from pipelines.dag import Node, check_graph, resolve
-from pipelines.launchers import Launcher
-from pipelines.progress import show as show_progress
-from pipelines.jobs import StageFailed, StageOutcome, outcome_from_manifest
+from pipelines.core.cache import CacheCheck, is_complete, keys_for, output_dir, verified_hit
+from pipelines.core.dag import Node, check_graph, resolve
+from pipelines.core.jobs import StageFailed, StageOutcome, outcome_from_manifest
+from pipelines.core.progress import show as show_progress
 from stages.common.contract.artifacts import package_versions
 from stages.common.contract.errors import RegraftError
 
 
+class JobLauncher(Protocol):
+    """What the runner asks of where jobs run (pipelines/launch/: inline, local, Slurm)."""
+
+    chains: bool  # True: jobs are submitted before their inputs exist, with scheduler dependencies
+    in_process: bool  # True: submit runs the stage itself
+
+    def can_start(self, node: Node) -> bool:
+        """Whether the node's job may be submitted now (locally: the GPUs it holds are free)."""
+
+    def submit(self, node: Node, config: DictConfig, after: list[Any]) -> Any:
+        """A job for the node, after the upstream jobs `after` (chained launchers only)."""
+
+    def finished(self, job: Any) -> bool: ...
+
+    def outcome(self, job: Any) -> StageOutcome:
+        """The job's result, or StageFailed with its stage's own line."""
+
+    def cancel(self, job: Any) -> None: ...
+
+    def stop(self, jobs: list[Any], grace_s: float) -> None:
+        """After `cancel`: wait for the jobs to end, up to `grace_s`."""
+
+    def log_of(self, job: Any) -> str: ...
+
+
 class StageTracker(Protocol):
-    """What the runner tells tracking (pipelines/tracking.py::Tracker; a sweep's fan-out in pipelines/sweep.py)."""
+    """What the runner tells tracking (pipelines/tracking/tracker.py::Tracker; a sweep's fan-out in pipelines/sweep.py)."""
 
     def start_stage(self, node: Node, key: str, config: DictConfig, hit: bool) -> str:
         """A run for the node; returns the handle finish_stage takes."""
@@ -122,7 +146,7 @@ def pending(nodes: list[Node], keys: dict[str, str], cache_root: Path) -> list[N
     return [node for node in nodes if not is_complete(output_dir(cache_root, node.stage, keys[node.name]))]
 
 
-def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: StageTracker | None,
+def run_dag(nodes: list[Node], cache_root: Path, launcher: JobLauncher, tracker: StageTracker | None,
             console: Console, poll_s: float = 0.2, max_parallel: int | None = None,
             keys: dict[str, str] | None = None, done: dict[str, NodeResult] | None = None,
             failures: dict[str, str] | None = None, check: CacheCheck = CacheCheck()) -> dict[str, NodeResult]:
@@ -130,7 +154,7 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: St
     before (a race's earlier rungs) that these may read; they are neither run nor tracked again. `failures`: keep
     going past a failed node (a sweep): its line is put there, every node downstream of it is cancelled or never
     dispatched (`not run: X failed`), the rest run on; the results hold the nodes that finished. `check`: what a
-    cache hit is checked for (pipelines/cache.py); an output that fails it is removed and its node dispatched."""
+    cache hit is checked for (pipelines/core/cache.py); an output that fails it is removed and its node dispatched."""
     done = done or {}
     check_graph(nodes, set(done))
     keys = keys or keys_for(nodes)
@@ -228,7 +252,7 @@ def run_dag(nodes: list[Node], cache_root: Path, launcher: Launcher, tracker: St
                 if name in running and launcher.finished(item.job):  # a failure may have cancelled it just now
                     with bookkeeping():
                         collect(name, item)
-            show_progress(console, running, launcher)  # each running stage's latest log line (pipelines/progress.py)
+            show_progress(console, running, launcher)  # each running stage's latest log line (pipelines/core/progress.py)
             if running:
                 time.sleep(poll_s)
     except BaseException as exc:

@@ -28,9 +28,9 @@ from typing import Any, Callable
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines.dag import REFERENCE, Node
-from pipelines.jobs import schema_module
-from pipelines.launchers import Launcher
+from pipelines.core.dag import REFERENCE, Node
+from pipelines.core.jobs import schema_module
+from pipelines.launch.base import Launcher
 from pipelines.schema import RegraftConfig
 from stages.common.engines.credentials import refuse_secrets
 from stages.common.drafter.config import check_drafter_fits_target, target_config
