@@ -1,4 +1,4 @@
-"""What checking a cache hit costs (pipelines/core/cache.py::CacheCheck): sha256 throughput here, and every policy on the
+"""What checking a cache hit costs (pipelines/core/cache.py CacheCheck): sha256 throughput here, and every policy on the
 outputs of a run.
 
     .venv/bin/python bench/cache_verify.py                  # the newest run under outputs/runs (`make run` first)

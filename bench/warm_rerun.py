@@ -3,8 +3,8 @@ and how long the other commands a user repeats take (`--cfg job`, a plan, a refu
 
 A warm rerun is the command a user repeats most (checking a sweep, rerunning after a fix, reading the tables
 again). This runs `regraft` on an outputs folder whose stages are all complete: once after asking the store's agent
-to end (pipelines/tracking/store_agent.py: that command starts a new one, as the first command after an idle spell does),
-then `--repeat` times plain (the wall seconds, median), then once under cProfile, whose main-thread cumulative
+to end (pipelines/tracking/store_agent.py: that command starts a new one, as the first command after an idle spell
+does), then `--repeat` times plain (the wall seconds, median), then once under cProfile, whose main-thread cumulative
 seconds give the parts. With several `--root`s (a worktree of an earlier commit beside this one) the table sets
 them side by side: on one `--outputs` when the stages' code is the same in each (else the rerun is not warm), or on
 one `--outputs` per root, each the outputs of that checkout's own cold run.

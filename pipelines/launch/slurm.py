@@ -19,8 +19,8 @@ from stages.common.contract.errors import RegraftError
 class SlurmLauncher(SubmititLauncher):
     """One Slurm job per stage through submitit, each submitted with `afterok` on its upstream jobs.
 
-    A stage with `tasks_per_node` (x `nodes`) > 1 runs as that many ranks (`pipelines.core.jobs.run_ranks`), rank 0's node
-    the rendezvous (submitit's MASTER_ADDR: the first host of the allocation); the rank layout changes the global
+    A stage with `tasks_per_node` (x `nodes`) > 1 runs as that many ranks (`pipelines.core.jobs.run_ranks`), rank 0's
+    node the rendezvous (submitit's MASTER_ADDR: the first host of the allocation); the rank layout changes the global
     batch, so it must equal the stage's `nodes` x `nproc`, which are part of its cache key.
     Resumable stages (finetune) are submitted `--requeue` and checkpointable (`pipelines.core.jobs.Resumable`).
     Every submission is recorded in `<run>/jobs/submitted.jsonl` (node, job id, upstream ids, Slurm's
