@@ -1,4 +1,4 @@
-"""What checking a cache hit costs (pipelines/cache.py::CacheCheck): sha256 throughput here, and every policy on the
+"""What checking a cache hit costs (pipelines/core/cache.py CacheCheck): sha256 throughput here, and every policy on the
 outputs of a run.
 
     .venv/bin/python bench/cache_verify.py                  # the newest run under outputs/runs (`make run` first)
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipelines.cache import CacheCheck  # noqa: E402
+from pipelines.core.cache import CacheCheck  # noqa: E402
 from pipelines.schema import CacheConfig  # noqa: E402
 from stages.common.contract.artifacts import read_manifest, sha256_of  # noqa: E402
 from figures import newest_run  # noqa: E402  (bench/figures.py, beside this file)

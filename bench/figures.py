@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipelines.summary import story_rows  # noqa: E402
+from pipelines.report.summary import story_rows  # noqa: E402
 
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S)
 
@@ -85,7 +85,7 @@ def counts(metrics: dict) -> str:
 
 def vllm_evaluate(summary: dict, out: Path) -> dict:
     """The evaluate stage's own config (its manifest), run again with backend=vllm: its metrics."""
-    from pipelines.jobs import stage_config
+    from pipelines.core.jobs import stage_config
 
     evaluate = Path(summary["stages"]["evaluate"]["out"])
     config = json.loads((evaluate / "manifest.json").read_text())["config"]

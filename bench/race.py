@@ -11,7 +11,7 @@ and the share of that full compute the race spent; per world kind and seed.
                                                         # (README.md or docs/, wherever it stands; alias --readme)
 
 Each world runs `regraft pipeline.race=true` in-process (launcher=inline), then every candidate to the end from its
-own checkpoint folder and evaluated (pipelines/race.py::every_candidate_to_the_end) beside where it started (the
+own checkpoint folder and evaluated (pipelines/modes/race.py::every_candidate_to_the_end) beside where it started (the
 preflight's step-0 loss, and full_acc_k of its first training batch before any update: fine-tunes here log every
 step); all cached in --outputs, so a rerun prints the tables at once. Columns of the main table: whether the race
 picked the family (right family) and the candidate (right candidate) the full budget ranks first by accept_len,
@@ -30,9 +30,9 @@ from hydra import compose, initialize_config_dir
 from rich.console import Console
 from rich.table import Table
 
-from pipelines.dag import DIAGNOSE
-from pipelines.launchers import make_launcher
-from pipelines.race import Reference, every_candidate_to_the_end, rung_runner
+from pipelines.core.dag import DIAGNOSE
+from pipelines.launch.make import make_launcher
+from pipelines.modes.race import Reference, every_candidate_to_the_end, rung_runner
 from pipelines.pipeline import run_pipeline
 from stages.common.contract.stage import CONF_DIR
 

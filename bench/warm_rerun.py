@@ -3,8 +3,8 @@ and how long the other commands a user repeats take (`--cfg job`, a plan, a refu
 
 A warm rerun is the command a user repeats most (checking a sweep, rerunning after a fix, reading the tables
 again). This runs `regraft` on an outputs folder whose stages are all complete: once after asking the store's agent
-to end (pipelines/store_agent.py: that command starts a new one, as the first command after an idle spell does),
-then `--repeat` times plain (the wall seconds, median), then once under cProfile, whose main-thread cumulative
+to end (pipelines/tracking/store_agent.py: that command starts a new one, as the first command after an idle spell
+does), then `--repeat` times plain (the wall seconds, median), then once under cProfile, whose main-thread cumulative
 seconds give the parts. With several `--root`s (a worktree of an earlier commit beside this one) the table sets
 them side by side: on one `--outputs` when the stages' code is the same in each (else the rerun is not warm), or on
 one `--outputs` per root, each the outputs of that checkout's own cold run.
@@ -38,13 +38,13 @@ from bench.figures import code_commit, cpu_model  # noqa: E402
 PARTS = (
     ("import torch", "site-packages/torch/__init__.py", "<module>"),
     ("import mlflow", "site-packages/mlflow/__init__.py", "<module>"),
-    ("tracking set up (store opened)", "pipelines/tracking.py", "for_pipeline"),
-    ("  of which the store's agent reached", "pipelines/store_agent.py", "reach"),
+    ("tracking set up (store opened)", "pipelines/tracking/tracker.py", "for_pipeline"),
+    ("  of which the store's agent reached", "pipelines/tracking/store_agent.py", "reach"),
     ("config composed (Hydra)", "hydra/_internal/hydra.py", "compose_config"),
-    ("cache keys", "pipelines/cache.py", "keys_for"),
-    ("DAG: hits checked and recorded", "pipelines/runner.py", "run_dag"),
-    ("waiting for the store at the end", ("pipelines/outbox.py", "pipelines/store_agent.py"), "close"),
-    ("plots", "pipelines/summary.py", "plot"),
+    ("cache keys", "pipelines/core/cache.py", "keys_for"),
+    ("DAG: hits checked and recorded", "pipelines/core/runner.py", "run_dag"),
+    ("waiting for the store at the end", ("pipelines/tracking/outbox.py", "pipelines/tracking/store_agent.py"), "close"),
+    ("plots", "pipelines/report/summary.py", "plot"),
 )
 
 
@@ -89,7 +89,7 @@ def ran_nothing(outputs: Path) -> bool:
 
 
 def measure(root: Path, outputs: Path, repeat: int) -> dict:
-    from pipelines.store_agent import stop_agents
+    from pipelines.tracking.store_agent import stop_agents
 
     stop_agents(str(outputs))  # the first command after the store's agent ended (idle) starts one
     first = rerun(root, outputs)

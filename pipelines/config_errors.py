@@ -10,7 +10,7 @@ Hydra reports a bad override in its own words, over several lines, ending with a
     deepspeed.zero_stage=5 -> ...: the config has no setting deepspeed (fix: finetune.deepspeed.zero_stage=5? ...)
 
 It says the same of a mapping of a stage's settings that the stage's schema refuses once composed (the built-in
-source drafter's `source.build.finetune`, pipelines/dag.py): source.build.finetune.lr=abc -> ... takes a float > 0.
+source drafter's `source.build.finetune`, pipelines/core/dag.py): source.build.finetune.lr=abc -> ... takes a float > 0.
 
 A field's type is its schema's (pipelines/schema.py, each stage's config dataclass), bounds included (`setting`);
 a group's options are what Hydra finds for it (the files under conf/<group>/).

@@ -18,16 +18,18 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
-from pipelines.cache import CacheCheck, keys_for
-from pipelines.data_sets import settle_data
-from pipelines.dag import PHASE1, Node, build_nodes, evaluate_node
-from pipelines.launchers import Launcher, make_launcher
-from pipelines.preflight import check_before_any_work, engine_version_warnings
-from pipelines.race import race_summary, race_table, rung_runner, run_race
-from pipelines.runner import NodeResult, pending, run_dag
-from pipelines.summary import finish_run
-from pipelines.run_names import hydra_invocation
-from pipelines.tracking import Tracker, run_link
+from pipelines.core.cache import CacheCheck, keys_for
+from pipelines.core.data_sets import settle_data
+from pipelines.core.dag import PHASE1, Node, build_nodes, evaluate_node
+from pipelines.core.runner import NodeResult, pending, run_dag
+from pipelines.launch.base import Launcher
+from pipelines.launch.make import make_launcher
+from pipelines.modes.preflight import check_before_any_work, engine_version_warnings
+from pipelines.modes.race import race_summary, race_table, rung_runner, run_race
+from pipelines.report.summary import finish_run
+from pipelines.tracking.links import run_link
+from pipelines.tracking.run_names import hydra_invocation
+from pipelines.tracking.tracker import Tracker
 from stages.common.contract.runtime import compute_as_every_cpu
 
 
@@ -93,7 +95,7 @@ def run_pipeline(cfg: DictConfig, run_dir: Path, overrides: list[str], console: 
     nodes = build_nodes(cfg)
     launcher = make_launcher(cfg.launcher, run_dir / "jobs")
     check_before_any_work(cfg, nodes, launcher)
-    for line in engine_version_warnings(nodes):  # a warning: the run goes on (pipelines/preflight.py)
+    for line in engine_version_warnings(nodes):  # a warning: the run goes on (pipelines/modes/preflight.py)
         console.print(line, markup=False, highlight=False)
     keys = keys_for(nodes)
     get_ready(launcher, cfg, nodes, keys)
@@ -121,7 +123,7 @@ def evaluated_turns(out: str) -> list[dict]:
 
 
 def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> tuple[dict[str, NodeResult], dict]:
-    """pipeline.race: the rungs (pipelines/race.py), each a run of cached nodes; then the winner evaluated as phase 1."""
+    """pipeline.race: the rungs (pipelines/modes/race.py), each a run of cached nodes; then the winner evaluated as phase 1."""
     run_rungs = rung_runner(cfg, launcher, tracker, console)
     nodes, results, outcome = run_race(cfg, run_rungs)
     if cfg.pipeline.evaluate:  # every finalist measured as phase 1 is; the one that accepts more is phase 1

@@ -1,6 +1,6 @@
 """regraft: one command from an existing drafter and a new target to phase 0 vs phase 1 numbers.
 
-The config (conf/config.yaml) becomes a DAG of stages (pipelines/dag.py); complete outputs are reused from the
+The config (conf/config.yaml) becomes a DAG of stages (pipelines/core/dag.py); complete outputs are reused from the
 content-addressed cache, the rest run as submitit jobs (launcher=local|slurm|inline), every stage is a child run
 of this invocation's MLflow run, and the run ends with a table, `summary.json` and plots in the run folder.
 
@@ -38,11 +38,11 @@ from rich.console import Console
 
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
 from pipelines.config_errors import check_group_choices, composition_error, is_composition_failure
-from pipelines.jobs import StageFailed
+from pipelines.core.jobs import StageFailed
+from pipelines.core.runner import Interrupts
+from pipelines.modes.plan import plan_pipeline
 from pipelines.pipeline import run_pipeline
-from pipelines.plan import plan_pipeline
-from pipelines.runner import Interrupts
-from pipelines.summary import stage_table, story_caption, story_table
+from pipelines.report.summary import stage_table, story_caption, story_table
 from stages.common.contract.errors import RegraftError, disk_full, said_disk_full
 from stages.common.contract.stage import CONF_DIR
 
@@ -59,7 +59,7 @@ def report_and_exit(exc: BaseException, console: Console, run_dir: Path | None) 
         sys.exit(130)
     if not isinstance(exc, Exception):  # SystemExit and the like: as they are
         raise exc
-    if isinstance(exc, OmegaConfBaseException):  # a setting a stage's schema refused once composed (pipelines/dag.py)
+    if isinstance(exc, OmegaConfBaseException):  # a setting a stage's schema refused once composed (pipelines/core/dag.py)
         exc = composition_error(exc)
     exc = (stage_disk_full(exc) if isinstance(exc, StageFailed) else disk_full(exc, run_dir)) or exc
     if isinstance(exc, StageFailed):  # the stage's own line, then where its whole log is

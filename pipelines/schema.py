@@ -55,7 +55,7 @@ class SourceConfig:
     path: str = MISSING  # drafter folder, sglang or speculators layout, or @source_drafter/drafter
     build: Optional[SourceBuild] = None  # set only for a drafter regraft trains itself (the built-in world's)
     family: Optional[str] = None  # its family, which the from-scratch baseline builds too (conf/wiring); None: a
-    # given checkpoint's own (pipelines/dag.py), eagle3 without one
+    # given checkpoint's own (pipelines/core/dag.py), eagle3 without one
     target: Optional[str] = None  # the target the drafter was trained for (diagnose's target A, realign's source);
     # None: build.target for the built-in drafter (path @source_drafter/...), else unknown (diagnose then gives what it can without it)
 
@@ -69,7 +69,7 @@ def check_source(cfg, where: str) -> None:
     for key, family in named.items():
         check_family(key, family)
     if cfg.get("build") is not None:
-        from pipelines.dag import built_finetune
+        from pipelines.core.dag import built_finetune
 
         settings = OmegaConf.to_container(cfg.build.finetune, resolve=True)
         check_config(built_finetune(settings), FinetuneConfig, f"{where}.build.finetune")
@@ -124,11 +124,11 @@ class TrackingConfig:
     copy_checkpoints: bool = False  # big checkpoints are recorded by path and sha256, not copied into the store
     max_artifact_mb: float = setting(20.0, at_least=0)  # files larger than this are recorded, not copied
     # an http store that does not answer: each call gives up after timeout_s and this many retries, and what it
-    # did not take waits in `outbox` for the next command (pipelines/outbox.py); the pipeline never waits on it
+    # did not take waits in `outbox` for the next command (pipelines/tracking/outbox.py); the pipeline never waits on it
     timeout_s: float = setting(10.0, at_least=1)
     retries: int = setting(1, at_least=0)
     outbox: str = "${paths.outputs}/outbox"
-    # one process per store keeps MLflow imported and the store open between commands (pipelines/store_agent.py): a
+    # one process per store keeps MLflow imported and the store open between commands (pipelines/tracking/store_agent.py): a
     # rerun of cache hits pays neither; it ends after agent_idle_s without a command. false: each command opens it
     agent: bool = True
     agent_idle_s: float = setting(600.0, above=0)
@@ -143,9 +143,9 @@ class PipelineSwitches:
     offline: bool = True
     baseline: bool = True  # a from-scratch fine-tune + evaluate beside the remapped one
     diagnose: bool = True  # how far the target moved for the drafter (needs source.target for the drift numbers)
-    race: bool = False  # race.inits x race.lrs under one budget instead of one fine-tune (pipelines/race.py)
+    race: bool = False  # race.inits x race.lrs under one budget instead of one fine-tune (pipelines/modes/race.py)
     evaluate: bool = True  # phase 1: the fine-tuned drafters, measured as the probe measures
-    plan: bool = False  # check everything, print the DAG and its cost, write plan.json; run nothing (pipelines/plan.py)
+    plan: bool = False  # check everything, print the DAG and its cost, write plan.json; run nothing (pipelines/modes/plan.py)
 
 
 def default_devices() -> dict[str, dict[str, Any]]:
@@ -174,7 +174,7 @@ def default_devices() -> dict[str, dict[str, Any]]:
 
 @dataclass
 class PlanConfig:
-    """pipeline.plan: what the estimates of pipelines/estimates.py assume."""
+    """pipeline.plan: what the estimates of pipelines/modes/estimates.py assume."""
 
     device: str = "cpu"  # a key of devices: the GPU-hours are FLOPs over its rate
     devices: dict[str, Any] = field(default_factory=default_devices)  # add one: '+plan.devices.mi355x={tflops:
@@ -203,7 +203,7 @@ CHECKS[PlanConfig] = check_plan
 
 @dataclass
 class RaceConfig:
-    """pipeline.race: the candidates and the budget of pipelines/race.py (successive halving by val loss)."""
+    """pipeline.race: the candidates and the budget of pipelines/modes/race.py (successive halving by val loss)."""
 
     inits: list[Init] = field(default_factory=lambda: [Init.remap, Init.realign, Init.scratch])
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3])
@@ -225,7 +225,7 @@ class OnMismatch(str, Enum):
 
 @dataclass
 class CacheConfig:
-    """What a cache hit is checked for before it is reused (pipelines/cache.py::CacheCheck)."""
+    """What a cache hit is checked for before it is reused (pipelines/core/cache.py::CacheCheck)."""
 
     verify: Verify = Verify.auto
     hash_limit_gb: float = setting(4.0, at_least=0)

@@ -24,15 +24,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from pipelines.cache import CacheCheck, keys_for
-from pipelines.dag import Node, build_nodes, substitute
-from pipelines.data_sets import settle_data
-from pipelines.launchers import make_launcher
-from pipelines.preflight import check_before_any_work
-from pipelines.runner import NodeResult, run_dag
-from pipelines.summary import finish_run
-from pipelines.run_names import Invocation, hydra_invocation
-from pipelines.tracking import Tracker
+from pipelines.core.cache import CacheCheck, keys_for
+from pipelines.core.dag import Node, build_nodes, substitute
+from pipelines.core.runner import NodeResult, run_dag
+from pipelines.launch.make import make_launcher
+from pipelines.modes.preflight import check_before_any_work
+from pipelines.report.summary import finish_run
+from pipelines.tracking.run_names import Invocation, hydra_invocation
+from pipelines.tracking.tracker import Tracker
+from pipelines.core.data_sets import settle_data
 from stages.common.contract.errors import RegraftError
 
 

@@ -13,7 +13,7 @@ import torch
 from stages.common.contract.runtime import set_process_defaults
 
 set_process_defaults()
-# each test's regraft commands use a store of their own for a minute: its agent (pipelines/store_agent.py) ends soon
+# each test's regraft commands use a store of their own for a minute: its agent (pipelines/tracking/store_agent.py) ends soon
 os.environ.setdefault("REGRAFT_AGENT_IDLE_S", "20")
 
 from stages import finetune, vocab_map  # noqa: E402
@@ -73,7 +73,7 @@ def pytest_configure(config):
 def no_store_agent_outlives_the_session(tmp_path_factory):
     """The agents of the stores this session made end with it (a store elsewhere keeps its agent)."""
     yield
-    from pipelines.store_agent import stop_agents
+    from pipelines.tracking.store_agent import stop_agents
 
     stop_agents(str(tmp_path_factory.getbasetemp()))
 

@@ -3,7 +3,7 @@ given and when it ran, and can wait for other jobs to be running beside it.
 
 In: the node's config: `record` (a folder), `job` (its name), `meet` (names of jobs that must have started too, else
 it fails after MEET_TIMEOUT_S), `hold_s` (how long it stays after that). Out: `<record>/<job>.json` with `gpus`,
-`start`, `end`; a StageOutcome like a stage's. Importable by a job (standard library and pipelines.jobs only).
+`start`, `end`; a StageOutcome like a stage's. Importable by a job (standard library and pipelines.core.jobs only).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipelines.jobs import StageOutcome
+from pipelines.core.jobs import StageOutcome
 
 MEET_TIMEOUT_S = 120.0
 

@@ -3,7 +3,7 @@
 - no run of any status is left RUNNING, and no child run says `cache_hit=pending`;
 - a child run that names a cache output (`out`) is that node's output: its stage and key, the output the member's
   summary.json gives for the node, and every figure and series point equal to what that output's manifest and
-  per-step logs hold, as pipelines/store.py names them.
+  per-step logs hold, as pipelines/tracking/store.py names them.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from pipelines.store import stage_metrics
+from pipelines.tracking.store import stage_metrics
 from stages.common.contract.artifacts import read_manifest
 
 

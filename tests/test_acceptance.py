@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.store import step_metrics
+from pipelines.tracking.store import step_metrics
 from stages import finetune
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import check_config

@@ -1,7 +1,7 @@
 """Bad input through `regraft` as a user runs it: the exit code, a last line that names the problem and the fix,
 nothing marked complete for the failing stage, and MLflow left with the right status.
 
-Most cases are refused before any stage runs (pipelines/preflight.py), within seconds; the stage-time ones end with
+Most cases are refused before any stage runs (pipelines/modes/preflight.py), within seconds; the stage-time ones end with
 the failing stage's own line and where its log is, whatever the launcher. The reliability table in README ("When
 something goes wrong") lists the same cases.
 """
@@ -196,7 +196,7 @@ def pipeline_nodes(*overrides: str) -> list:
     from hydra import compose, initialize_config_dir
 
     import pipelines.regraft  # noqa: F401  (registers every schema)
-    from pipelines.dag import build_nodes
+    from pipelines.core.dag import build_nodes
     from stages.common.contract.stage import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -212,8 +212,8 @@ def vllm_everywhere(inputs: dict[str, Path], target: str, drafter: str, backend:
 
 
 def refusals(nodes: list) -> dict[str, str]:
-    """{node: its line} for each node pipelines/preflight.py refuses as an MLA target on vLLM's CPU build."""
-    from pipelines.preflight import check_vllm_targets
+    """{node: its line} for each node pipelines/modes/preflight.py refuses as an MLA target on vLLM's CPU build."""
+    from pipelines.modes.preflight import check_vllm_targets
     from stages.common.contract.errors import RegraftError
 
     found = {}
@@ -321,7 +321,7 @@ def test_a_crash_that_is_no_input_regraft_checks_ends_as_one_line_inline(inputs,
     from hydra import compose, initialize_config_dir
 
     import stages.compare
-    from pipelines.jobs import StageFailed
+    from pipelines.core.jobs import StageFailed
     from pipelines.pipeline import run_pipeline
     from stages.common.contract.stage import CONF_DIR
 

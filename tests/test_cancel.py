@@ -13,8 +13,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import pipelines.regraft  # noqa: F401  (registers every schema)
-from pipelines.cache import keys_for
-from pipelines.dag import build_nodes
+from pipelines.core.cache import keys_for
+from pipelines.core.dag import build_nodes
 from stages.common.contract.stage import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import pipelines.regraft  # noqa: F401  (registers every schema)
-from pipelines.cache import keys_for
-from pipelines.dag import Node, build_nodes, check_graph, resolve
+from pipelines.core.cache import keys_for
+from pipelines.core.dag import Node, build_nodes, check_graph, resolve
 from stages.common.contract.stage import CONF_DIR
 from stages.common.contract.errors import RegraftError
 

@@ -154,7 +154,7 @@ def run_preflight(drafter, fx, out):
     """The `regraft` command's preflight, which reads the source drafter before any stage runs."""
     from hydra import compose, initialize_config_dir
 
-    from pipelines.preflight import check_models
+    from pipelines.modes.preflight import check_models
     from stages.common.contract.stage import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipelines.dag import Node
-from pipelines.preflight import engine_version_warnings, engines_of
+from pipelines.core.dag import Node
+from pipelines.modes.preflight import engine_version_warnings, engines_of
 from stages.common.contract.artifacts import venv_site_packages
 from stages.common.engines.engine_api_check import run_in
 from stages.common.engines.engine_source_check import Checker, Source, check_source, differences

@@ -1,6 +1,6 @@
 """A stage that runs vLLM in the engine venv records that interpreter's versions (`engine_versions`, beside
 `versions`: the stage's own venv), and a cache hit made under other engine versions says so, read against the
-engine venv as it is now (stages/common/contract/artifacts.py::package_versions, pipelines/runner.py::versions_note).
+engine venv as it is now (stages/common/contract/artifacts.py::package_versions, pipelines/core/runner.py::versions_note).
 
 The note's logic is tested on manifests and a stand-in venv (dist-info folders, no Python in it); one real engine
 run (features, backend=vllm) checks what the worker reports and that the note fires for it through the runner.
@@ -16,10 +16,10 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from pipelines.dag import Node
-from pipelines.jobs import StageOutcome, outcome_from_manifest
-from pipelines.launchers import InlineLauncher
-from pipelines.runner import run_dag, versions_note
+from pipelines.core.dag import Node
+from pipelines.core.jobs import StageOutcome, outcome_from_manifest
+from pipelines.core.runner import run_dag, versions_note
+from pipelines.launch.inline import InlineLauncher
 from stages.common.contract.artifacts import MANIFEST, _asked_versions, package_versions, read_manifest, staged_output
 import stages.features  # noqa: F401  (registers its schema, for compose_stage)
 from stages.common.contract.stage import compose_stage

@@ -1,7 +1,7 @@
 """Faults that must never cost a result (issue: faults never cost a result), on real `regraft debug=tiny` runs:
 
 - a tracking server killed mid-run: the run ends as fast as one without tracking, keeps what the store did not take
-  in its outbox, and the next command (here `python -m pipelines.outbox`) puts every figure into the store;
+  in its outbox, and the next command (here `python -m pipelines.tracking.outbox`) puts every figure into the store;
 - `kill -9` of regraft: the next command closes the runs it left RUNNING as KILLED;
 - a cache output changed after it was written (truncated, bytes flipped at the same size, a file deleted): it is
   not reused but computed again (or, under cache.on_mismatch=stop, named in one line).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cache import CacheCheck
+from pipelines.core.cache import CacheCheck
 from stages.common.contract.artifacts import read_manifest, sha256_of, staged_output
 from tests.mlflow_checks import check_store, free_port, start_mlflow_server, stop_mlflow_server
 
@@ -81,7 +81,7 @@ def test_a_tracking_server_killed_mid_run_costs_no_time_and_no_figure(tmp_path):
 
     server = start_mlflow_server(store, port)  # the store is back
     try:
-        sent = subprocess.run([sys.executable, "-m", "pipelines.outbox", str(outputs / "outbox")], cwd=ROOT,
+        sent = subprocess.run([sys.executable, "-m", "pipelines.tracking.outbox", str(outputs / "outbox")], cwd=ROOT,
                               capture_output=True, text=True, timeout=600)
         assert sent.returncode == 0 and "sent" in sent.stdout, sent.stdout + sent.stderr
         assert not list((outputs / "outbox").glob("*.json"))

@@ -266,7 +266,7 @@ def test_a_finetune_on_ragged_or_loss_masked_features_matches_one_on_padded_rows
 
 RSS_LENGTH, RSS_BATCH = 128, 128  # tokens per row, rows per micro-batch
 # Imports torch, DeepSpeed and the stage once (most of a fine-tune's start on 2 busy cores), then forks one child
-# per fine-tune, as pipelines/warm.py does (no torch op runs before a fork); prints each child's peak RSS (wait4).
+# per fine-tune, as pipelines/launch/warm/server.py does (no torch op runs before a fork); prints each child's peak RSS (wait4).
 PEAK_RSS_RUNNER = """
 import json, os, sys, traceback
 from stages import finetune

@@ -158,7 +158,7 @@ def test_a_filesystem_of_no_size_is_never_full(tmp_path):
 
 
 def test_a_stage_that_fills_the_disk_leaves_the_line_and_raises_it(tmp_path, capsys):
-    from pipelines.jobs import STAGE_ERROR, reported_error, reporting_failure
+    from pipelines.core.jobs import STAGE_ERROR, reported_error, reporting_failure
     from stages.common.contract.errors import RegraftError
 
     with pytest.raises(RegraftError) as raised:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DeepseekV3ForCausalLM
 
-from pipelines.estimates import target_params
+from pipelines.modes.estimates import target_params
 from stages.common.contract.artifacts import staged_output
 from stages.common.contract.errors import RegraftError
 from stages.common.data.chat_prompts import context_length

@@ -1,4 +1,4 @@
-"""The resources a node's job gets (pipelines/launchers.py::Launcher.resources): what its stage holds (GPUs, ranks)
+"""The resources a node's job gets (pipelines/launch/base.py::Launcher.resources): what its stage holds (GPUs, ranks)
 over `launcher.resources`, `launcher.per_stage.<stage>` for every node of the stage over that,
 `launcher.per_node.<name>` over it; a per_stage key that is not a stage is refused; GPUs a node lacks are refused
 before any work; Slurm is asked for them, and the local launcher runs jobs side by side only on GPUs no other job
@@ -16,9 +16,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import pipelines.regraft  # noqa: F401  (registers every schema, for compose)
-from pipelines.dag import Node, build_nodes
-from pipelines.launchers import LocalLauncher, SlurmLauncher, make_launcher
-from pipelines.race import Candidate, rung_node
+from pipelines.core.dag import Node, build_nodes
+from pipelines.launch.local import LocalLauncher
+from pipelines.launch.make import make_launcher
+from pipelines.launch.slurm import SlurmLauncher
+from pipelines.modes.race import Candidate, rung_node
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import CONF_DIR
 
@@ -233,7 +235,7 @@ def engine(name: str, stage: str, gpus: int, folder: Path, *meet: str) -> Node:
 def run_recorded(nodes: list[Node], folder: Path, warm: bool, max_parallel: int | None = None) -> dict[str, dict]:
     from rich.console import Console
 
-    from pipelines.runner import run_dag
+    from pipelines.core.runner import run_dag
 
     local = Recording(OmegaConf.create({"name": "local", "warm": warm}), folder / "jobs")
     local.prepare(nodes)

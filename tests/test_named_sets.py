@@ -1,4 +1,4 @@
-"""Eval sets and training data by name (stages/common/data/named.py, pipelines/data_sets.py): each named set's
+"""Eval sets and training data by name (stages/common/data/named.py, pipelines/core/data_sets.py): each named set's
 conversion on a tiny local copy in its source's real column layout, loaded through the same `datasets` code as a hub
 id; an unknown name and an offline miss refused before any work with one line; `regraft debug=tiny` measuring
 accept_len per named set."""

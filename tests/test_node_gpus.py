@@ -1,4 +1,4 @@
-"""The GPUs of a node (pipelines/node_gpus.py): launcher.node_gpus, this machine's count, sinfo's gres of a
+"""The GPUs of a node (pipelines/launch/node_gpus.py): launcher.node_gpus, this machine's count, sinfo's gres of a
 partition (a fake `sinfo` on PATH here), and the pool that hands a local job's GPU ids out and takes them back."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.node_gpus import GpuPool, gres_gpus, partition_gpus, slurm_node, this_machine
+from pipelines.launch.node_gpus import GpuPool, gres_gpus, partition_gpus, slurm_node, this_machine
 
 SINFO = "debug*|(null)\ngpu|gpu:h100:8(S:0-1)\ngpu|gpu:h100:4(S:0)\nmixed|gpu:a100:4,gpu:v100:2,shard:16\n"
 

@@ -12,9 +12,9 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 import pipelines.regraft  # noqa: F401  (registers every schema)
-from pipelines.dag import build_nodes
-from pipelines.launchers import InlineLauncher
-from pipelines.runner import run_dag
+from pipelines.core.dag import build_nodes
+from pipelines.core.runner import run_dag
+from pipelines.launch.inline import InlineLauncher
 from stages import features
 from stages.common.contract.artifacts import read_manifest
 from stages.common.contract.errors import RegraftError

@@ -86,7 +86,7 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
             "phase1/loss_0", "phase1/val_acc_0"} <= set(numbers)
     assert not (run_dir / "jobs" / "%j").exists()  # one job folder per stage, no empty "%j"
 
-    from pipelines.run_names import started
+    from pipelines.tracking.run_names import started
 
     client = mlflow_client(outputs)
     experiment = client.get_experiment_by_name("regraft")
@@ -127,7 +127,7 @@ def test_a_second_run_runs_nothing_yet_tracks_every_stage(first_run, outputs):
     assert done.returncode == 0, done.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "omegaconf" in imported and "torch" not in imported  # no stage runs here, so neither torch nor stage code
-    assert "mlflow" not in imported  # the store's agent keeps it (pipelines/store_agent.py)
+    assert "mlflow" not in imported  # the store's agent keeps it (pipelines/tracking/store_agent.py)
     assert not {name for name in imported if name.startswith("stages.") and name.split(".")[1] in NODE_STAGES}
     again = last_summary(outputs)
     assert ran(again) == set()
@@ -190,7 +190,7 @@ def test_a_run_killed_while_holding_a_stage_lock_does_not_block_the_next(first_r
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from pipelines.cache import stage_lock
+        from pipelines.core.cache import stage_lock
         out = Path({str(compare_out)!r})
         lock = stage_lock(out)
         lock.acquire()
@@ -271,7 +271,7 @@ def test_the_whole_pipeline_runs_on_every_drafter_family(family, first_run, outp
 def test_plots_are_drawn_once_per_content_and_again_when_it_changes(first_run, outputs, tmp_path, monkeypatch):
     """plot() with the cache: the same outputs' plots are copied from cache/plots/ (nothing drawn); another output
     (a changed key) gets plots of its own."""
-    from pipelines import summary
+    from pipelines.report import summary
 
     stages = first_run["stages"]
     drawn = []

@@ -145,7 +145,7 @@ def test_a_plan_on_a_gpu_checks_each_fine_tunes_rank_memory_against_it(ran):
 def test_an_online_server_on_the_same_gpus_takes_its_share_first():
     from omegaconf import OmegaConf
 
-    from pipelines.plan import gpu_bytes_for_training
+    from pipelines.modes.plan import gpu_bytes_for_training
 
     started_here = OmegaConf.create({"engine": {"enabled": True, "server_url": None,
                                                 "vllm": {"gpu_memory_utilization": 0.75}}})
@@ -155,7 +155,7 @@ def test_an_online_server_on_the_same_gpus_takes_its_share_first():
 
 
 def test_a_jobs_shape_names_its_gpus_on_every_launcher_that_gives_them():
-    from pipelines.plan import job_shape
+    from pipelines.modes.plan import job_shape
 
     assert job_shape("slurm", {"nodes": 2, "tasks_per_node": 8, "gpus_per_node": 8, "cpus_per_task": 12,
                                "timeout_min": 1440}) == "2x8 8g 12c 24h"
@@ -259,7 +259,7 @@ def test_counts_are_kept_across_commands_until_an_input_changes(target_dir, chat
     tokenizer loaded); a data file that changed (its size or mtime) is counted anew."""
     import os
 
-    from pipelines import estimates
+    from pipelines.modes import estimates
     from stages.common.data import chat
 
     data = tmp_path / "chats.jsonl"

@@ -1,4 +1,4 @@
-"""A race under one budget (pipelines/race.py): rungs of a fine-tune continue exactly as an uninterrupted run; in
+"""A race under one budget (pipelines/modes/race.py): rungs of a fine-tune continue exactly as an uninterrupted run; in
 both worlds the race picks what every candidate trained to the end ranks first, for at most half that compute; a
 rerun runs nothing and one more candidate reuses every rung already trained."""
 from __future__ import annotations
@@ -64,8 +64,8 @@ def race_cfg(outputs, *overrides: str):
 def run_race_and_reference(outputs, *overrides: str):
     from rich.console import Console
 
-    from pipelines.launchers import make_launcher
-    from pipelines.race import every_candidate_to_the_end, rung_runner
+    from pipelines.launch.make import make_launcher
+    from pipelines.modes.race import every_candidate_to_the_end, rung_runner
     from pipelines.pipeline import run_pipeline
 
     cfg = race_cfg(outputs, *overrides)
@@ -115,7 +115,7 @@ def test_the_race_reports_its_finalists_per_eval_set_and_where_the_loser_wins(de
 
 def finalist(init: str, val_loss: float, accept: list[tuple[int, int]]):
     """A finalist whose evaluation answered one turn per conversation: (completion tokens, verify steps) each."""
-    from pipelines.race import Candidate, Finalist
+    from pipelines.modes.race import Candidate, Finalist
 
     turns = [{"conversation": str(c), "turn": "0", "completion_tokens": str(tokens), "verify_steps": str(steps)}
              for c, (tokens, steps) in enumerate(accept)]
@@ -124,7 +124,7 @@ def finalist(init: str, val_loss: float, accept: list[tuple[int, int]]):
 
 
 def decided(*finalists):
-    from pipelines.race import RaceOutcome, decision
+    from pipelines.modes.race import RaceOutcome, decision
 
     outcome = RaceOutcome([], list(finalists), 10, 20)  # the finalists come ranked by val loss
     outcome.decide()
@@ -157,7 +157,7 @@ def test_accept_len_within_the_noise_is_a_tie_that_val_loss_decides():
 
 
 def test_without_evaluations_val_loss_decides_and_says_why():
-    from pipelines.race import Candidate, Finalist
+    from pipelines.modes.race import Candidate, Finalist
 
     outcome, said = decided(Finalist(Candidate("remap", 1e-3), None, 2.70, 1.5),
                             Finalist(Candidate("scratch", 1e-3), None, 2.87, 1.4))
@@ -166,7 +166,7 @@ def test_without_evaluations_val_loss_decides_and_says_why():
 
 
 def test_the_decision_names_each_set_the_losing_family_wins():
-    from pipelines.race import Candidate, Finalist, where_the_rival_wins
+    from pipelines.modes.race import Candidate, Finalist, where_the_rival_wins
 
     winner = Finalist(Candidate("remap", 1e-3), None, 1.0, 1.5, 1.8, {"chat": 2.0, "code": 1.4})
     rival = Finalist(Candidate("scratch", 1e-3), None, 1.1, 1.4, 1.6, {"chat": 1.5, "code": 1.7})
@@ -200,8 +200,8 @@ def test_in_the_drifted_world_of_any_seed_realign_ends_first(tmp_path, seed):
     seed, so it is not asserted here."""
     from rich.console import Console
 
-    from pipelines.launchers import make_launcher
-    from pipelines.race import every_candidate_to_the_end, rung_runner
+    from pipelines.launch.make import make_launcher
+    from pipelines.modes.race import every_candidate_to_the_end, rung_runner
 
     cfg = race_cfg(tmp_path, "world.rotate_b=1", f"world.seed={seed}", "race.lrs=[0.003]")
     ranking = every_candidate_to_the_end(cfg, rung_runner(cfg, make_launcher(cfg.launcher, tmp_path / "jobs"), None,

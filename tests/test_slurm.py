@@ -1,4 +1,4 @@
-"""submitit jobs on a real two-node Slurm cluster (tests/slurm_cluster.py), watched by pipelines/slurm_jobs.py.
+"""submitit jobs on a real two-node Slurm cluster (tests/slurm_cluster.py), watched by pipelines/launch/slurm_jobs.py.
 
 Needs root and Debian's Slurm packages (installed on first use); skipped when the cluster cannot come up.
     .venv/bin/python -m pytest -q tests/test_slurm.py -m "not slow"   # 25-50 s on 2 cores
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import submitit
 
-from pipelines.slurm_jobs import dependency_of, job_state, wait_for
+from pipelines.launch.slurm_jobs import dependency_of, job_state, wait_for
 from stages.common.contract.errors import RegraftError
 
 pytestmark = pytest.mark.slurm

@@ -29,10 +29,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import pipelines.regraft  # noqa: F401  (registers every schema, for compose)
-from pipelines.dag import Node
-from pipelines.launchers import SlurmLauncher
-from pipelines.jobs import RANK_VARIABLES
-from pipelines.slurm_jobs import job_state
+from pipelines.core.dag import Node
+from pipelines.core.jobs import RANK_VARIABLES
+from pipelines.launch.slurm import SlurmLauncher
+from pipelines.launch.slurm_jobs import job_state
 from stages.common.contract.stage import CONF_DIR
 from stages.common.contract.errors import RegraftError
 from tests.mlflow_checks import check_store
@@ -99,9 +99,9 @@ PREBUILD = textwrap.dedent("""
     from hydra import compose, initialize_config_dir
     from rich.console import Console
     import pipelines.regraft  # registers every schema
-    from pipelines.dag import build_nodes
-    from pipelines.launchers import InlineLauncher
-    from pipelines.runner import run_dag
+    from pipelines.core.dag import build_nodes
+    from pipelines.core.runner import run_dag
+    from pipelines.launch.inline import InlineLauncher
     from stages.common.contract.stage import CONF_DIR
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=sys.argv[1:])

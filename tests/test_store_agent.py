@@ -1,4 +1,4 @@
-"""The store agent (pipelines/store_agent.py) against a real sqlite store: commands (processes that drive a Tracker as
+"""The store agent (pipelines/tracking/store_agent.py) against a real sqlite store: commands (processes that drive a Tracker as
 regraft does) hand it their records and never import mlflow themselves; one agent serves a store's commands, keeps
 the store open between them, ends when idle, and refuses a store regraft cannot use with the line a command would."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipelines.outbox import Outbox
-from pipelines.run_names import invocation
-from pipelines.store_agent import agent_settings, listening, socket_path, stop_agents
-from pipelines.tracking import Tracker
+from pipelines.tracking.outbox import Outbox
+from pipelines.tracking.run_names import invocation
+from pipelines.tracking.store_agent import agent_settings, listening, socket_path, stop_agents
+from pipelines.tracking.tracker import Tracker
 from stages.common.contract.errors import RegraftError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMAND = """
 import json, sys
 from omegaconf import OmegaConf
-from pipelines.run_names import invocation
-from pipelines.tracking import Tracker
+from pipelines.tracking.run_names import invocation
+from pipelines.tracking.tracker import Tracker
 cfg = OmegaConf.create(json.loads(sys.argv[1]))
 tracker = Tracker(cfg, invocation([f"finetune.seed={sys.argv[2]}"]), tags={})
 tracker.finish("FINISHED", {"seed": sys.argv[2]}, {"phase1/accept_len": float(sys.argv[2])}, [])
@@ -132,7 +132,7 @@ def test_a_command_whose_agent_went_away_opens_the_store_itself(tmp_path, monkey
     the store here, as with tracking.agent=false, and every record still lands."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines.store_agent import AgentOutbox
+    from pipelines.tracking.store_agent import AgentOutbox
 
     cfg = agent_cfg(tmp_path / "outputs")
     monkeypatch.setattr(AgentOutbox, "reach", classmethod(lambda cls, cfg: cls(cfg, tmp_path / "gone.sock")))

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipelines.dag import Node
-from pipelines.jobs import StageOutcome
-from pipelines.outbox import Outbox
-from pipelines.progress import StageProgress, last_line
-from pipelines.run_names import invocation, swept_keys
-from pipelines.tracking import Tracker
+from pipelines.core.dag import Node
+from pipelines.core.jobs import StageOutcome
+from pipelines.core.progress import StageProgress, last_line
+from pipelines.tracking.outbox import Outbox
+from pipelines.tracking.run_names import invocation, swept_keys
+from pipelines.tracking.tracker import Tracker
 from stages.common.contract.errors import RegraftError
 from tests.mlflow_checks import free_port, start_mlflow_server, stop_mlflow_server
 
@@ -215,7 +215,7 @@ def test_run_names_from_overrides_and_sweeps():
 
 
 def test_single_runs_of_the_same_overrides_are_told_apart_by_when_they_started():
-    from pipelines.run_names import started
+    from pipelines.tracking.run_names import started
 
     when = started("/out/runs/2026-12-07_11-24-38_331207_14875")
     assert when == "12-07 11:24:38" and started("/out/elsewhere") is None and started(None) is None
@@ -228,7 +228,7 @@ def test_single_runs_of_the_same_overrides_are_told_apart_by_when_they_started()
 def test_the_winner_view_shows_its_columns_whole():
     """MLflow gives a metric column 100 px (`phase1/accep`); the shared view sets the link's columns' widths and
     order (tests/test_ui.py sees them rendered)."""
-    from pipelines.tracking import WINNER_COLUMNS, runs_view
+    from pipelines.tracking.links import WINNER_COLUMNS, runs_view
 
     view = runs_view("s")
     columns = [f"metrics.`{name}`" for name in WINNER_COLUMNS]
@@ -271,8 +271,8 @@ import sys, time
 from pathlib import Path
 from omegaconf import OmegaConf
 import mlflow.store.tracking.sqlalchemy_store  # imported before the start: the four open the store at one instant
-from pipelines.run_names import invocation
-from pipelines.tracking import Tracker
+from pipelines.tracking.run_names import invocation
+from pipelines.tracking.tracker import Tracker
 cfg = OmegaConf.create({"uri": sys.argv[1], "experiment": "regraft", "artifact_location": sys.argv[2],
                         "copy_checkpoints": False, "max_artifact_mb": 20.0})
 print("ready", flush=True)
@@ -338,8 +338,8 @@ def track_and_die(cfg, finish: bool) -> None:
     code = f"""
 import os
 from omegaconf import OmegaConf
-from pipelines.dag import Node
-from pipelines.tracking import Tracker
+from pipelines.core.dag import Node
+from pipelines.tracking.tracker import Tracker
 tracker = Tracker(OmegaConf.create({OmegaConf.to_container(cfg)!r}), "gone", tags={{}})
 node = Node("world", "world", OmegaConf.create({{}}), "setup")
 tracker.finish_stage(tracker.start_stage(node, "k", OmegaConf.create({{}}), False), None, "stopped")
@@ -352,7 +352,7 @@ os._exit(0)
 
 
 def replay_outbox(*arguments: str) -> tuple[int, list[str]]:
-    done = subprocess.run([sys.executable, "-m", "pipelines.outbox", *arguments], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "pipelines.tracking.outbox", *arguments], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     return done.returncode, [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
 
@@ -409,7 +409,7 @@ def test_a_replay_to_a_server_says_one_line_and_an_outage_in_whole_words(tmp_pat
 
 
 def test_the_ui_of_a_store_is_mlflow_ui_or_the_server_itself(tmp_path):
-    from pipelines.tracking import ui_command
+    from pipelines.tracking.tracker import ui_command
 
     assert ui_command(tracking_cfg("sqlite:///outputs/mlflow.db", tmp_path)) == \
         "mlflow ui --port 5000 --backend-store-uri sqlite:///outputs/mlflow.db"
@@ -436,8 +436,8 @@ def test_progress_shows_the_latest_tqdm_line(tmp_path):
 def test_tables_fit_80_columns(tmp_path, capsys):
     from rich.console import Console
 
-    from pipelines.runner import NodeResult
-    from pipelines.summary import SweepSummary, stage_table
+    from pipelines.core.runner import NodeResult
+    from pipelines.report.summary import SweepSummary, stage_table
 
     results = {name: NodeResult(name, "probe", "1", "k" + name, "/o", False, 12.0, 13.5, {}, "accept_len 1.80 at 3 "
                                 "draft steps, 43 tok/s vs 113 plain (0.38x), lossless on 40 turns")
@@ -447,7 +447,7 @@ def test_tables_fit_80_columns(tmp_path, capsys):
     lines = console.export_text().splitlines()
     assert all(len(line) <= 80 for line in lines) and sum("accept_len 1.80" in line for line in lines) == 3
 
-    from pipelines.summary import story_table
+    from pipelines.report.summary import story_table
 
     console = Console(width=80, record=True, file=open(os.devnull, "w"))
     console.print(story_table({"phase0/accept_len": 1.3, "phase0/accept_len/prose": 1.25,
@@ -520,7 +520,7 @@ def test_four_runs_started_together_share_one_store_and_cache(tmp_path):
 
 
 def test_parent_figures_differ_in_the_first_12_characters_mlflow_shows():
-    from pipelines.summary import LABELS
+    from pipelines.report.summary import LABELS
 
     names = [*LABELS, "stages/ran", "stages/hit"]
     heads = [name[:12] for name in names]
@@ -545,8 +545,8 @@ def test_the_printed_links_open_the_classic_view_with_the_headline_columns_whole
     metric columns at the widths the shared view sets, wider than MLflow's 100 px."""
     import re
 
-    from pipelines.outbox import experiment
-    from pipelines.tracking import WINNER_COLUMNS, run_link, runs_link
+    from pipelines.tracking.links import WINNER_COLUMNS, run_link, runs_link
+    from pipelines.tracking.store import experiment
     from tests.mlflow_checks import rendered_pages
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"

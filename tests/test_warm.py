@@ -1,4 +1,4 @@
-"""The warm interpreter (pipelines/warm.py): jobs forked from one process that imported torch once behave as jobs
+"""The warm interpreter (pipelines/launch/warm/server.py): jobs forked from one process that imported torch once behave as jobs
 started by a fresh interpreter do (streams, environment, exit status, signals, submitit results), and nothing
 outlives what it belongs to."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 import submitit
 
-from pipelines.warm import WarmInterpreter
+from pipelines.launch.warm.server import WarmInterpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,7 +205,7 @@ def test_without_a_server_the_client_runs_the_job_itself(tmp_path, job_dir):
 def test_the_server_stops_with_the_process_that_started_it(tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         from pathlib import Path
-        from pipelines.warm import WarmInterpreter
+        from pipelines.launch.warm.server import WarmInterpreter
         warm = WarmInterpreter([], Path({str(tmp_path / 'warm.log')!r}))
         print(warm.process.pid, flush=True)
         import time; time.sleep(600)

@@ -32,8 +32,8 @@ class RegraftLauncher(Launcher):
         from rich.console import Console
 
         from pipelines.config_errors import check_group_choices
+        from pipelines.core.runner import Interrupts
         from pipelines.regraft import report_and_exit
-        from pipelines.runner import Interrupts
         from pipelines.sweep import plan_member, run_sweep
         from stages.common.contract.runtime import compute_as_every_cpu
 

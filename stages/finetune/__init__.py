@@ -47,7 +47,7 @@ from stages.finetune.loop import MetricsLog, Preempted, Progress, split, train, 
 from stages.finetune.op_builds import take_over_stale_build_locks
 from stages.schemas.finetune import FinetuneConfig, Init, SelectBy, Spawn, check_ranks
 
-__all__ = ["FinetuneConfig", "Preempted", "check_ranks", "init_distributed", "run", "run_rank"]  # what pipelines/jobs.py calls
+__all__ = ["FinetuneConfig", "Preempted", "check_ranks", "init_distributed", "run", "run_rank"]  # what pipelines/core/jobs.py calls
 RANK_FLAG = "--rank-config"
 
 

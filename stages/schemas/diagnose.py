@@ -54,7 +54,7 @@ def check_diagnose(cfg: DictConfig, where: str) -> None:
 
 def check_vllm_targets(cfg: DictConfig, where: str) -> None:
     """Neither target is MLA on vLLM's CPU build (vllm_engine.check_mla_target): asked of the stage run alone
-    (check_diagnose) and of a pipeline's diagnose node (pipelines/preflight.py), whose backend follows
+    (check_diagnose) and of a pipeline's diagnose node (pipelines/modes/preflight.py), whose backend follows
     features.backend (conf/wiring)."""
     prefix = f"{where}." if where else ""
     if Backend(cfg.backend) is Backend.vllm:
@@ -64,7 +64,7 @@ def check_vllm_targets(cfg: DictConfig, where: str) -> None:
 
 
 def check_before_work(cfg: dict, stage: str) -> None:
-    """What the pipeline asks of every stage before any work, where it will run (pipelines/launchers.py): an engine
+    """What the pipeline asks of every stage before any work, where it will run (pipelines/launch/): an engine
     this machine can run as asked."""
     if Backend(cfg["backend"]) is Backend.vllm:
         check_extraction_here(cfg, stage)

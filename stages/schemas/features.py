@@ -75,7 +75,7 @@ def check_features(cfg: DictConfig, where: str) -> None:
 
 def check_vllm_targets(cfg: DictConfig, where: str) -> None:
     """No MLA target on vLLM's CPU build (vllm_engine.check_mla_target): asked of the stage run alone
-    (check_features) and of a pipeline's features nodes (pipelines/preflight.py)."""
+    (check_features) and of a pipeline's features nodes (pipelines/modes/preflight.py)."""
     prefix = f"{where}." if where else ""
     if Backend(cfg.backend) is Backend.vllm:
         check_mla_target(cfg.vllm, cfg.get("target"), prefix, f"{prefix}backend=hf (transformers)",
@@ -83,7 +83,7 @@ def check_vllm_targets(cfg: DictConfig, where: str) -> None:
 
 
 def check_before_work(cfg: dict, stage: str) -> None:
-    """What the pipeline asks of every stage before any work, where it will run (pipelines/launchers.py): an engine
+    """What the pipeline asks of every stage before any work, where it will run (pipelines/launch/): an engine
     this machine can run as asked."""
     if Backend(cfg["backend"]) is Backend.vllm:
         check_extraction_here(cfg, stage)

@@ -183,7 +183,7 @@ def check_finetune(cfg: DictConfig, where: str) -> None:
 def check_vllm_targets(cfg: DictConfig, where: str) -> None:
     """No MLA target on the vLLM CPU build of the states server the stage starts itself (features.mode=online;
     vllm_engine.check_mla_target): asked of the stage run alone (check_finetune) and of a pipeline's finetune nodes
-    (pipelines/preflight.py). A server at engine.server_url is another's: its build cannot be read here."""
+    (pipelines/modes/preflight.py). A server at engine.server_url is another's: its build cannot be read here."""
     engine, prefix = cfg.get("engine"), f"{where}." if where else ""
     if engine is not None and engine.enabled and not engine.server_url:
         check_mla_target(engine.vllm, cfg.get("target"), f"{prefix}engine.", "features.mode=offline with "

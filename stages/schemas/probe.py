@@ -64,14 +64,14 @@ def check_probe(cfg: DictConfig, where: str) -> None:
 
 def check_vllm_targets(cfg: DictConfig, where: str) -> None:
     """No MLA target on vLLM's CPU build (vllm_engine.check_mla_target): asked of the stage run alone (check_probe)
-    and of every probe node of a pipeline, evaluate and baseline_evaluate too (pipelines/preflight.py)."""
+    and of every probe node of a pipeline, evaluate and baseline_evaluate too (pipelines/modes/preflight.py)."""
     prefix = f"{where}." if where else ""
     if Backend(cfg.backend) is Backend.vllm:
         check_mla_target(cfg.vllm, cfg.get("target"), prefix, f"{prefix}backend=hf (transformers)", "its accept_len")
 
 
 def check_before_work(cfg: dict, stage: str) -> None:
-    """What the pipeline asks of every stage before any work, where it will run (pipelines/launchers.py): the
+    """What the pipeline asks of every stage before any work, where it will run (pipelines/launch/): the
     engine's interpreter is there, and this machine can run it as asked."""
     backend = Backend(cfg["backend"])
     if backend is Backend.vllm:

@@ -100,7 +100,7 @@ def check_regenerate_engine(cfg: DictConfig, where: str) -> None:
 def check_vllm_targets(cfg: DictConfig, where: str) -> None:
     """No MLA target on vLLM's CPU build, its offline engine or the server it starts (vllm_engine.check_mla_target):
     asked where the stage will run (check_regenerate_engine) and of a pipeline's regenerate nodes
-    (pipelines/preflight.py)."""
+    (pipelines/modes/preflight.py)."""
     prefix = f"{where}." if where else ""
     if Engine(cfg.engine) is Engine.vllm or started_here(cfg) is Serve.vllm:
         check_mla_target(cfg.vllm, cfg.get("target"), prefix, f"{prefix}engine=openai with {prefix}server_url= of "
@@ -108,7 +108,7 @@ def check_vllm_targets(cfg: DictConfig, where: str) -> None:
 
 
 def check_before_work(cfg: dict, stage: str) -> None:
-    """What the pipeline asks of every stage before any work (pipelines/launchers.py): its engine can start here,
+    """What the pipeline asks of every stage before any work (pipelines/launch/): its engine can start here,
     and a server it is given runs on no GPU of this node, where the pipeline's other engines would start beside it
     unaware (none of them knows what a server it did not start holds)."""
     check_regenerate_engine(OmegaConf.create(cfg), stage)

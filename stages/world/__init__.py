@@ -6,7 +6,7 @@ target A trained further on B (or, with `b_init=fresh`, A's token weights on a d
 `b_style`, answers written otherwise: a B where scratch may win); B's training chats carry target B's own answers
 (sampled at `regen_temperature`, as SpecForge regenerates EAGLE-3 data; greedy at 0). The source drafter is not
 built here: the pipeline trains it for target A with its own vocab_map and finetune stages (`source=toy`,
-pipelines/dag.py).
+pipelines/core/dag.py).
 
 Out (HF `save_pretrained` folders, chat JSONL `{"messages": [...]}`): `tokenizer/`, `data_a.jsonl`, `target_a/`,
 `target_b/`, `data_b.jsonl` (domain-B prompts, target B's answers), `prompts_b.jsonl` (held-out domain-B user turns,

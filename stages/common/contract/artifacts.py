@@ -235,6 +235,6 @@ def sha256_of(path: Path) -> str:
 
 
 def file_checksum(path: Path) -> dict[str, Any]:
-    """What a cache hit checks a file against (pipelines/cache.py): its size, mtime and sha256 when sealed."""
+    """What a cache hit checks a file against (pipelines/core/cache.py): its size, mtime and sha256 when sealed."""
     stat = path.stat()
     return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_of(path)}

@@ -2,7 +2,7 @@
 
 Each stage's schema module (stages/schemas/) may define `holds(cfg, node_gpus) -> Holds`: from the stage's own config
 and the GPUs a node has (`launcher.node_gpus`), the GPUs it occupies for its whole run (an engine at tensor-parallel
-8, a fine-tune's ranks), its rank layout, and the server it starts. Both launchers read it (pipelines/launchers.py):
+8, a fine-tune's ranks), its rank layout, and the server it starts. Both launchers read it (pipelines/launch/):
 Slurm asks for it in each job, the local launcher never runs two stages whose GPUs would collide. A stage without
 `holds` holds nothing but a CPU.
 

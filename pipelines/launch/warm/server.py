@@ -6,7 +6,7 @@ local launcher starts this server once per regraft process; it imports the modul
 forks one child per job. Each child is already past the imports and starts the job in milliseconds.
 
 submitit's local executor still runs every job, unchanged: its controller starts `<python> -u -m
-submitit.core._submit <folder>`, where <python> is `python -S pipelines/warm_client.py <socket>` (see there).
+submitit.core._submit <folder>`, where <python> is `python -S pipelines/launch/warm/client.py <socket>` (see there).
 The server receives the job's argv, environment, working directory and stdin/stdout/stderr, forks, and the
 child becomes the job; the server sends back the child's pid and, when the child ends, its exit status. If the
 client goes away (the controller killed it), the server stops the child. The server stops when the process
@@ -40,10 +40,10 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipelines.warm_client import FORWARDED
+from pipelines.launch.warm.client import FORWARDED
 
-CLIENT = Path(__file__).with_name("warm_client.py")
-BASE_MODULES = ("torch", "transformers", "submitit.core.submission", "pipelines.jobs")
+CLIENT = Path(__file__).with_name("client.py")
+BASE_MODULES = ("torch", "transformers", "submitit.core.submission", "pipelines.core.jobs")
 REQUEST_TIMEOUT_S = 10.0  # a client sends its whole request at once, right after connecting
 KILL_GRACE_S = 10.0  # a child whose client is gone is killed; SIGKILL again if it is still there after this long
 
@@ -284,7 +284,8 @@ class WarmInterpreter:
         self.modules = sorted(modules)
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as output:
-            self.process = subprocess.Popen([sys.executable, "-m", "pipelines.warm", str(self.socket), *self.modules],
+            self.process = subprocess.Popen([sys.executable, "-m", "pipelines.launch.warm.server", str(self.socket),
+                                             *self.modules],
                                             stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10.0
         while not self.socket.exists() and self.alive() and time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """The MLflow store's side of tracking: what a stage's output folder holds as params, metrics and artifacts, the
 sqlite store created and migrated once under a lock, and StoreWriter, which applies the Tracker's queued records
-(pipelines/outbox.py sends them from its own thread)."""
+(pipelines/tracking/outbox.py sends them from its own thread)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +8,7 @@ import csv
 import json
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from omegaconf import DictConfig
@@ -299,3 +300,57 @@ class StoreWriter:
                 continue
             self.client.log_artifact(run_id, str(path), artifact_path=relative.parent.as_posix()
                                      if relative.parent != Path(".") else None)
+
+
+@dataclass
+class OpenStore:
+    """A store opened for writing (created or migrated first, once, under its lock): the client, the experiment's id
+    and the writer that applies records."""
+
+    client: Any
+    experiment_id: str
+    writer: StoreWriter
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> "OpenStore":
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        mlflow.set_tracking_uri(cfg.uri)
+        with store_lock(cfg.uri):  # created and migrated once, by whichever run comes first
+            repair_store(cfg.uri)
+            client = MlflowClient(cfg.uri)
+            experiment_id = experiment(client, cfg.experiment, Path(cfg.artifact_location).absolute().as_uri())
+        return cls(client, experiment_id, StoreWriter(client, cfg, experiment_id))
+
+
+def experiment(client: Any, name: str, artifact_location: str) -> str:
+    """The experiment's id, created if absent (a run that loses the race to create it takes the winner's), tagged to
+    open on its runs (MLflow 3 otherwise opens the GenAI overview) with a note on what to sort by."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        try:
+            client.create_experiment(name, artifact_location=artifact_location)
+        except MlflowException:
+            pass  # another run created it in between (a server store: no file lock)
+        found = client.get_experiment_by_name(name)
+    tags = found.tags
+    if tags.get("mlflow.experimentKind") != "custom_model_development":
+        set_experiment_tag(client, found.experiment_id, "mlflow.experimentKind", "custom_model_development")
+    if "mlflow.note.content" not in tags:  # a description edited in the UI stays
+        set_experiment_tag(client, found.experiment_id, "mlflow.note.content", EXPERIMENT_NOTE)
+    return found.experiment_id
+
+
+def set_experiment_tag(client: Any, experiment_id: str, key: str, value: str) -> None:
+    """An experiment tag that runs started together may all set to the same value: the SQLite store inserts a new
+    key, so the runs that lose the race fail on its UNIQUE constraint, and the winner's tag is theirs too."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.set_experiment_tag(experiment_id, key, value)
+    except MlflowException:
+        if client.get_experiment(experiment_id).tags.get(key) is None:
+            raise

@@ -41,7 +41,8 @@ def settle_data(cfg: DictConfig, fetch: bool = True) -> list[dict]:
 
 
 def unfetched(value: str, cfg: DictConfig) -> bool:
-    """A named set's file that a plan lists but the run makes first (pipelines/preflight.py does not ask for it)."""
+    """A named set's file that a plan lists but the run makes first (pipelines/modes/preflight.py does not ask for
+    it)."""
     path = Path(str(value))
     return path.parent.parent == Path(str(cfg.paths.cache)) / "datasets" and not path.exists()
 

@@ -3,7 +3,7 @@
 Every check the pipeline makes before any work, all of them (not the first problem only); the DAG with each node's
 cache state (hit: a complete output is there; run: it would be computed), what its stage holds (GPUs, ranks, a
 server) on a node of `launcher.node_gpus` GPUs (and where that count came from) and its job's resources on the
-chosen launcher; and per node the estimates of pipelines/estimates.py, with their totals. It writes `plan.json` in
+chosen launcher; and per node the estimates of pipelines/modes/estimates.py, with their totals. It writes `plan.json` in
 the run folder and, with `launcher=slurm`, `plan/<node>.sbatch`: the batch script each job would be submitted with
 (its `--dependency` left out, as the upstream jobs have no ids yet; plan.json lists them). No stage output, no
 MLflow run. It needs no Slurm here: the batch scripts are written on any machine. Exit 0 when every check passes, 1
@@ -20,14 +20,16 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from pipelines.cache import keys_for, output_dir
-from pipelines.dag import Node, build_nodes, resolve, training_data
-from pipelines.data_sets import dataset_line, settle_data
-from pipelines import estimates
-from pipelines.estimates import Estimate, PlanContext, device_rate, estimate
-from pipelines.launchers import Launcher, SlurmLauncher, make_launcher
-from pipelines.preflight import problems_before_any_work
-from pipelines.runner import pending
+from pipelines.core.cache import keys_for, output_dir
+from pipelines.core.dag import Node, build_nodes, resolve, training_data
+from pipelines.core.runner import pending
+from pipelines.launch.base import Launcher
+from pipelines.launch.make import make_launcher
+from pipelines.launch.slurm import SlurmLauncher
+from pipelines.modes import estimates
+from pipelines.modes.estimates import Estimate, PlanContext, device_rate, estimate
+from pipelines.modes.preflight import problems_before_any_work
+from pipelines.core.data_sets import dataset_line, settle_data
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.hardware import MEMORY_HEADROOM, Holds
 
@@ -66,7 +68,7 @@ def job_shape(launcher_name: str, resources: dict[str, Any]) -> str:
 def batch_script(launcher: SlurmLauncher, node: Node, config: dict[str, Any]) -> str:
     """The sbatch script submitit would write for this node's job (what `submit` hands to sbatch, but for the
     dependency, which needs the upstream jobs' ids)."""
-    from pipelines.jobs import resumable
+    from pipelines.core.jobs import resumable
 
     resources = launcher.resources(node)
     if resumable(config):
@@ -77,7 +79,7 @@ def batch_script(launcher: SlurmLauncher, node: Node, config: dict[str, Any]) ->
 
 
 def slurm_notes() -> list[str]:
-    from pipelines.slurm_jobs import missing_commands
+    from pipelines.launch.slurm_jobs import missing_commands
 
     missing = missing_commands()
     return [f"Slurm's commands are not on this machine ({', '.join(missing)}): the batch scripts are written here, "

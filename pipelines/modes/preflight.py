@@ -32,10 +32,10 @@ from typing import Any, Callable
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines.dag import REFERENCE, Node
-from pipelines.data_sets import unfetched
-from pipelines.jobs import schema_module
-from pipelines.launchers import Launcher
+from pipelines.core.dag import REFERENCE, Node
+from pipelines.core.jobs import schema_module
+from pipelines.launch.base import Launcher
+from pipelines.core.data_sets import unfetched
 from pipelines.schema import RegraftConfig
 from stages.common.engines.credentials import refuse_secrets
 from stages.common.drafter.config import check_drafter_fits_target, target_config
@@ -103,7 +103,7 @@ def given_inputs(cfg: DictConfig) -> list[tuple[str, str]]:
 
 
 def check_given_inputs(cfg: DictConfig) -> None:
-    # a named set a plan lists but has not fetched is left out: the run fetches it first (pipelines/data_sets.py)
+    # a named set a plan lists but has not fetched is left out: the run fetches it first (pipelines/core/data_sets.py)
     inputs = [(key, value) for key, value in given_inputs(cfg) if not (given(value) and unfetched(value, cfg))]
     for key, value in inputs:
         if given(value) and not Path(value).exists():

@@ -21,8 +21,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipelines.dag import BASELINE, COMPARE, DIAGNOSE, PHASE1, PROBE
-from pipelines.runner import NodeResult
+from pipelines.core.dag import BASELINE, COMPARE, DIAGNOSE, PHASE1, PROBE
+from pipelines.core.runner import NodeResult
 from stages.common.contract.artifacts import write_json_atomic
 from stages.common.contract.errors import naming_full_disk
 
@@ -353,7 +353,7 @@ SWEEP_COLUMNS = (("phase0/accept_len", "phase 0"), ("phase1/accept_len", "phase 
 
 def varying(members: list[dict], swept: list[str]) -> list[str]:
     """The keys a sweep varies: those given with several values, else those whose values differ among members."""
-    from pipelines.run_names import override_key
+    from pipelines.tracking.run_names import override_key
 
     given = [{override_key(o): o.split("=", 1)[-1] for o in member["overrides"]} for member in members]
     keys = [key for key in swept if any(key in overrides for overrides in given)]
@@ -368,7 +368,7 @@ class SweepSummary(Callback):
     sweep varies (80 columns)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from pipelines.run_names import override_key, short_keys, swept_keys
+        from pipelines.tracking.run_names import override_key, short_keys, swept_keys
 
         sweep_dir = Path(config.hydra.sweep.dir)
         members = []
@@ -414,7 +414,7 @@ class SweepSummary(Callback):
                               highlight=False, soft_wrap=True)
         console.print(f"sweep summary: {sweep_dir / 'summary.json'}", highlight=False, soft_wrap=True)
         if config.tracking.enabled:
-            from pipelines.tracking import sweep_link, ui_command
+            from pipelines.tracking.tracker import sweep_link, ui_command
 
             console.print(f"MLflow: {ui_command(config.tracking)}", highlight=False, soft_wrap=True)
             link = sweep_link(config.tracking, sweep_dir.name)

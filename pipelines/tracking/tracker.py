@@ -10,7 +10,7 @@ One name per metric (docs/mlflow.md):
   `turn/<k>` (the probe, by turn); a final figure that is a point of a series (the exported drafter's `val_*`,
   the guard's `preflight_*`) is that series' point, not a second name; `stage_seconds` on every child.
 - the parent run: a child's figure under its node's role, `phase0/accept_len`, `phase1/accept_len`,
-  `scratch/accept_len`, `phase1/val_acc_0`, `phase0/loss_0` (the source lm_head as it is) ... (pipelines/summary.py
+  `scratch/accept_len`, `phase1/val_acc_0`, `phase0/loss_0` (the source lm_head as it is) ... (pipelines/report/summary.py
   `HEADLINES`: every name differs from the others in its first 12 characters, what MLflow's table shows), and
   `stages/ran`, `stages/hit`.
 Runs are named by the overrides that vary in their sweep (`lr=1e-3 init=remap`), a single run by its overrides
@@ -23,8 +23,6 @@ The sqlite store is created and migrated once, under a file lock beside it, so r
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import subprocess
 import time
@@ -33,16 +31,19 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines.dag import Node
-from pipelines.jobs import StageOutcome
-from pipelines.run_names import Invocation, override_key, override_value
-from pipelines.store import numeric
+from pipelines.core.dag import Node
+from pipelines.core.jobs import StageOutcome
+from pipelines.tracking.links import UI_PORT
+from pipelines.tracking.outbox import owner_tags
+from pipelines.tracking.run_names import Invocation, override_key, override_value
+from pipelines.tracking.store import numeric
+from pipelines.tracking.store_agent import outbox_for
 
 # conf/config.yaml names run and sweep folders by time, microseconds and this process's id (`${regraft.pid:}`):
 # two invocations started in the same second never share a folder
 OmegaConf.register_new_resolver("regraft.pid", os.getpid, replace=True)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str:
@@ -58,17 +59,15 @@ def git_commit() -> str:
 class Tracker:
     """The parent run of one invocation and a child run per stage node (start_stage, finish_stage), in one store.
 
-    Nothing here waits on the store: each call queues a record that the store's outbox (pipelines/outbox.py) sends
+    Nothing here waits on the store: each call queues a record that the store's outbox (pipelines/tracking/outbox.py) sends
     from its own thread, so a store that is slow or gone never holds up a stage. What it could not send is kept in
     the outbox folder and sent by the next regraft command; `finish` waits for this tracker's records and says so.
     """
 
     def __init__(self, cfg: DictConfig, run: Invocation | str, tags: dict[str, str]):
-        from pipelines.outbox import Outbox, owner_tags
-
         self.cfg = cfg
         self.invocation = run if isinstance(run, Invocation) else Invocation(run)
-        self.outbox = Outbox.of(cfg)  # opens the store (creating or migrating it) unless it does not answer
+        self.outbox = outbox_for(cfg)  # opens the store (creating or migrating it) unless it does not answer
         self.owner = owner_tags()
         self.letter = self.outbox.letter(self.owner)
         self.commit = git_commit()
@@ -172,61 +171,12 @@ def ui_command(cfg: DictConfig) -> str:
     return f"mlflow ui --port {UI_PORT} --backend-store-uri {cfg.uri}"  # the port the printed links name
 
 
-# The runs table's columns for "which member won": the accept lengths beside the run's name and overrides
-WINNER_COLUMNS = ("phase1/accept_len", "phase0/accept_len", "scratch/accept_len", "gain/over_scratch")
-SHARED_VIEW_TAG = "mlflow.sharedViewState."  # MLflow's UI reads a shared view (filter, sort, columns) from this tag
-UI_PORT = 5000  # `mlflow ui`'s default, said in the printed command so that the command and the links name one address
-UI_ADDRESS = f"http://127.0.0.1:{UI_PORT}"
-
-
-# MLflow's table gives a metric column 100 px, about 12 characters of its name (`phase1/accep`); the shared view
-# widens the link's columns to their whole name: 9 px a character and room for the column's menu
-COLUMN_PX_PER_CHARACTER, COLUMN_PX_MENU = 9, 24
-# MLflow 3's UI opens a page in GenAI mode unless its URL says otherwise or the browser's sidebar switch was set to
-# "Model training" (remembered in the browser's local storage); the experiment's kind tag is not read for it
-CLASSIC = "workflowType=machine_learning"
-
-
-def runs_view(sweep: str | None) -> dict[str, Any]:
-    """What MLflow's runs table opens on: the parent runs (of one sweep), best phase 1 first, the headline columns
-    first and wide enough for their names."""
-    where = "tags.kind = 'pipeline'" + (f" and tags.sweep = '{sweep}'" if sweep else "")
-    columns = [f"metrics.`{name}`" for name in WINNER_COLUMNS]
-    return {"searchFilter": where, "orderByKey": "metrics.`phase1/accept_len`", "orderByAsc": False,
-            "startTime": "ALL", "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
-            "selectedColumns": ["attributes.`Run Name`", *columns],
-            "columnOrder": ["attributes.`Run Name`", *columns],
-            "columnWidths": {column: COLUMN_PX_PER_CHARACTER * len(name) + COLUMN_PX_MENU
-                             for column, name in zip(columns, WINNER_COLUMNS)},
-            "runsExpanded": {}, "runsPinned": [], "runsHidden": []}
-
-
-def runs_link(client: Any, experiment_id: str, cfg: DictConfig, sweep: str | None) -> str:
-    """One link to the runs table filtered, sorted and with columns set: the view is kept as an experiment tag that
-    the UI reads by its key (MLflow's own "share view"), as filter and sort alone could be in the URL but the
-    columns cannot."""
-    from pipelines.outbox import set_experiment_tag
-
-    key = "regraft-" + hashlib.sha256((sweep or "all").encode()).hexdigest()[:12]
-    set_experiment_tag(client, experiment_id, SHARED_VIEW_TAG + key, json.dumps(runs_view(sweep)))
-    base = cfg.uri.rstrip("/") if cfg.uri.startswith(("http://", "https://")) else UI_ADDRESS
-    return f"{base}/#/experiments/{experiment_id}/runs?{CLASSIC}&viewStateShareKey={key}"
-
-
-def run_link(runs: str, run_id: str) -> str:
-    """A run's page, from the runs table's link (same address and experiment), in the classic (machine learning)
-    view: MLflow's own links to a run page carry no `workflowType`, so they open it in GenAI mode."""
-    return f"{runs.split('/runs?', 1)[0]}/runs/{run_id}?{CLASSIC}"
-
-
 def sweep_link(cfg: DictConfig, sweep: str) -> str | None:
     """The link for a finished sweep, from its config (the sweep callback has no tracker)."""
     if not cfg.enabled:
         return None
-    from pipelines.outbox import Outbox
-
     try:
-        return Outbox.of(cfg).runs_link(sweep)
+        return outbox_for(cfg).runs_link(sweep)
     except Exception:  # noqa: BLE001 (a store that does not answer: its members said so, the link can wait)
         return None
 

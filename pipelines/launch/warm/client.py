@@ -1,4 +1,4 @@
-"""The `python` of a warm local job: hands the job to the warm interpreter (pipelines/warm.py) and stands in for it.
+"""The `python` of a warm local job: hands the job to the warm interpreter (server.py) and stands in for it.
 
 submitit's local controller runs `<this> <socket> -u -m submitit.core._submit <folder>`. This script, started
 with `python -S` (standard library only, ~20 ms), sends the job's argv, environment, working directory and its

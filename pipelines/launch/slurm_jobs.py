@@ -4,7 +4,7 @@ executor that writes their batch scripts on any machine, and whether Slurm's com
 In: submitit jobs (from `ScriptExecutor` or submitit's own `SlurmExecutor`) or Slurm job ids.
 Out: their states, their `Dependency=`, and their results, or one `RegraftError` naming the log and the fix.
 
-    from pipelines.slurm_jobs import dependency_of, job_state, wait_for
+    from pipelines.launch.slurm_jobs import dependency_of, job_state, wait_for
     results = wait_for([vocab_job, remap_job])   # [result, result]; or RegraftError: "...: Slurm job 12 TIMEOUT ..."
     job_state(job)                               # "PENDING", "RUNNING", "COMPLETED", "FAILED", ..., "UNKNOWN"
     dependency_of(job.job_id)                    # "afterok:11(unfulfilled)"
@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import submitit
 
-from pipelines.jobs import StageFailed, reported_error
+from pipelines.core.jobs import StageFailed, reported_error
 from stages.common.contract.errors import RegraftError
 
 # A job in one of these states may still produce a result.
@@ -199,7 +199,7 @@ def _failure(job: submitit.Job, info: JobInfo) -> RegraftError:
     failed = next((k for k, o in enumerate(outcomes) if o is not None and o[0] == "error"), None)
     task = job.task(failed if failed is not None else 0)
     log = task.paths.stderr
-    own = reported_error(log)  # the stage's own line (pipelines/jobs.py), when it failed rather than was stopped
+    own = reported_error(log)  # the stage's own line (pipelines/core/jobs.py), when it failed rather than was stopped
     if own and info.state in ("FAILED", "COMPLETED"):
         return StageFailed(own, log)
     last = ""

@@ -64,7 +64,7 @@ def kept(function: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any) -> Any:
         if KEPT is None:
             return memo(*args)
-        from pipelines.cache import fingerprint
+        from pipelines.core.cache import fingerprint
 
         files = [fingerprint(arg) for arg in args if isinstance(arg, str) and len(arg) < 4096 and os.path.exists(arg)]
         key = hashlib.sha256(json.dumps([function.__name__, args, files]).encode()).hexdigest()[:16]

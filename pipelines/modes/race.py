@@ -31,9 +31,9 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines.cache import CacheCheck, keys_for
-from pipelines.dag import PHASE1, PROBE, Node, build_nodes, evaluate_node, finetune_node
-from pipelines.runner import NodeResult, run_dag
+from pipelines.core.cache import CacheCheck, keys_for
+from pipelines.core.dag import PHASE1, PROBE, Node, build_nodes, evaluate_node, finetune_node
+from pipelines.core.runner import NodeResult, run_dag
 
 
 @dataclass

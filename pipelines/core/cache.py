@@ -25,11 +25,11 @@ from typing import Any, Callable
 from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines.dag import Node, substitute
+from pipelines.core.dag import Node, substitute
 from stages.common.contract.artifacts import read_manifest, sha256_of
 from stages.common.contract.errors import RegraftError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT_PACKAGES = ("stages", "pipelines")
 KEY_LENGTH = 16
 # config fields naming places a stage writes, not reads: their names are in the key, never their contents (a race's

@@ -11,7 +11,7 @@ the agent over a unix socket: the store is opened and checked once per agent, an
   with the store's run ids and the line a command prints when the store stopped answering. The command's output
   is what it was without the agent; only the seconds differ.
 - What gone processes left (kept letters, runs left RUNNING) is caught up once per command, as before.
-- A store that stops answering: the command's records are kept in its letter as before (pipelines/outbox.py); the
+- A store that stops answering: the command's records are kept in its letter as before (pipelines/tracking/outbox.py); the
   agent then takes no new command and ends when its commands do, so the next command starts a fresh one.
 - The agent ends after `tracking.agent_idle_s` without a command, or when its socket is taken from it; its log is
   `<socket>.log` in `agent_folder()`. When no agent can be reached, a command opens the store itself, as before.
@@ -30,18 +30,19 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from omegaconf import DictConfig, OmegaConf
 
-if TYPE_CHECKING:
-    from pipelines.outbox import Letter, Outbox
+from pipelines.tracking.links import runs_link
+from pipelines.tracking.outbox import Letter, Outbox, catch_up_store, first_line, outbox_dir, quick_http, say
+from pipelines.tracking.store import OpenStore, sqlite_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # the code whose change makes an agent stale: what it runs for a command
-AGENT_CODE = ("pipelines/store_agent.py", "pipelines/outbox.py", "pipelines/store.py", "pipelines/tracking.py")
+AGENT_CODE = tuple(f"pipelines/tracking/{name}.py" for name in ("store_agent", "outbox", "store", "tracker"))
 SETTINGS_ENV = "REGRAFT_STORE_AGENT"  # the agent's settings (never its argv: `ps` shows no store paths)
-# set by regraft itself (pipelines/outbox.py quick_http): from tracking.timeout_s and .retries, which the settings
+# set by regraft itself (pipelines/tracking/outbox.py quick_http): from tracking.timeout_s and .retries, which the settings
 # hold already, and MLflow's printing, always off
 QUICK_HTTP_ENV = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
                   "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
@@ -56,9 +57,6 @@ def agent_folder() -> Path:
 
 def agent_settings(cfg: DictConfig) -> dict[str, Any]:
     """What an agent needs of `tracking` (resolved): the store, where its artifacts and kept letters go, the limits."""
-    from pipelines.outbox import outbox_dir
-    from pipelines.store import sqlite_file
-
     keys = ("uri", "experiment", "artifact_location", "copy_checkpoints", "max_artifact_mb", "timeout_s", "retries")
     settings = {key: cfg.get(key) for key in keys}
     settings["outbox"] = str(outbox_dir(cfg).absolute())
@@ -125,7 +123,6 @@ class AgentOutbox:
         """The store's agent, started if none listens, once it has the store open; an outbox here that keeps every
         record when the store does not answer; None when no agent can be reached (the caller opens the store).
         Raises RegraftError for a store regraft cannot use."""
-        from pipelines.outbox import Outbox
         from stages.common.contract.errors import RegraftError
 
         settings = agent_settings(cfg)
@@ -149,9 +146,8 @@ class AgentOutbox:
     def answering(self) -> bool:
         return self.broken is None and self.down is None
 
-    def letter(self, owner: dict[str, str]) -> "Letter":
+    def letter(self, owner: dict[str, str]) -> Letter:
         """A command's connection: the agent answers once what gone processes left is caught up."""
-        from pipelines.outbox import Letter, Outbox, say
         from stages.common.contract.errors import RegraftError
 
         if self.instead is None:
@@ -170,7 +166,7 @@ class AgentOutbox:
             say(self.console, words)
         return letter
 
-    def put(self, letter: "Letter", record: dict[str, Any]) -> None:
+    def put(self, letter: Letter, record: dict[str, Any]) -> None:
         if id(letter) not in self.streams:
             return self.instead.put(letter, record)
         if self.broken is None:
@@ -180,10 +176,8 @@ class AgentOutbox:
             except OSError as exc:
                 self.lost(exc)
 
-    def close(self, letter: "Letter") -> None:
+    def close(self, letter: Letter) -> None:
         """Wait until the agent sent or kept every record of the letter; say what it kept, as a command would."""
-        from pipelines.outbox import say
-
         if id(letter) not in self.streams:
             return self.instead.close(letter)
         answer = None
@@ -235,6 +229,16 @@ class AgentOutbox:
                                "command run again logs them as cache hits", highlight=False, soft_wrap=True)
 
 
+def outbox_for(cfg: DictConfig) -> "Outbox | AgentOutbox":
+    """This process's way to the store, opened once per process: its agent when `tracking.agent`, else (or when no
+    agent can serve it) a writer thread here (pipelines/tracking/outbox.py)."""
+    key = f"{cfg.uri}\n{cfg.experiment}\n{cfg.get('agent', False)}"
+    if key not in Outbox.opened:
+        reached = AgentOutbox.reach(cfg) if cfg.get("agent", False) else None
+        Outbox.opened[key] = reached or Outbox(cfg)
+    return Outbox.opened[key]
+
+
 def listening(path: Path) -> bool:
     connection = connect(path, 1.0)
     if connection is None:
@@ -255,7 +259,7 @@ def start_agent(path: Path, settings: dict[str, Any], idle_s: float) -> None:
         env = {**os.environ, SETTINGS_ENV: json.dumps({**settings, "socket": str(path), "idle_s": idle_s}),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         with open(str(path) + ".log", "ab") as log:
-            subprocess.Popen([sys.executable, "-m", "pipelines.store_agent"], cwd=ROOT, env=env,
+            subprocess.Popen([sys.executable, "-m", "pipelines.tracking.store_agent"], cwd=ROOT, env=env,
                              stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not listening(path) and time.monotonic() < deadline:
@@ -343,7 +347,6 @@ class Agent:
                 self.path.unlink(missing_ok=True)
 
     def open(self) -> None:
-        from pipelines.outbox import OpenStore, first_line, quick_http
         from stages.common.contract.errors import RegraftError
 
         quick_http(self.cfg)
@@ -386,16 +389,12 @@ class Agent:
         elif "ping" in message:
             send(stream, {"ok": True})
         elif "link" in message:
-            from pipelines.tracking import runs_link
-
             send(stream, {"link": runs_link(self.store.client, self.store.experiment_id, self.cfg, message["link"])})
         elif "letter" in message:
             self.serve_letter(message["letter"], stream)
 
     def serve_letter(self, owner: dict[str, str], stream: BinaryIO) -> None:
         """One command's records, applied in order from an outbox of its own, as the command would have."""
-        from pipelines.outbox import Outbox, catch_up_store
-
         with self.catching_up:
             notes = catch_up_store(self.store, self.cfg)
         outbox = Outbox(self.cfg, opened=self.store)

@@ -5,7 +5,7 @@ the cache again under the lock: a sweep member that started the same stage first
 this one reports a hit instead of running it twice.
 
 Locally, a job whose stage holds GPUs runs `OnGpus`: the stage with CUDA_VISIBLE_DEVICES set to the GPUs its
-job was given. On Slurm two more shapes exist (pipelines/launchers.py picks them):
+job was given. On Slurm two more shapes exist (pipelines/launch/slurm.py picks them):
 - `run_ranks`: one task of a multi-task job (`tasks_per_node` > 1) is one rank of a `RankedStage` (finetune).
   Only rank 0 takes the lock and
   looks at the cache, then tells the other ranks over a gloo group; only rank 0 writes the output.
@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from pipelines.cache import is_complete, stage_lock, sweep_leftovers
+from pipelines.core.cache import is_complete, stage_lock, sweep_leftovers
 from stages.common.contract.artifacts import read_manifest
 from stages.common.contract.errors import RegraftError, disk_full
 from stages.common.contract.runtime import set_process_defaults

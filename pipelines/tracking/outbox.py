@@ -5,7 +5,7 @@ stage never waits on the store; what a store that stopped answering did not take
   store gave its runs' handles. Calls to an http store time out after `tracking.timeout_s` with `tracking.retries`
   retries (MLflow's own defaults retry for minutes); the first call that fails marks the store down for the rest
   of the process, and every later record goes to the letter's file in `tracking.outbox` (`<outputs>/outbox`).
-- The next regraft command on that store (or `python -m pipelines.outbox <folder>`) sends each kept letter whose
+- The next regraft command on that store (or `python -m pipelines.tracking.outbox <folder>`) sends each kept letter whose
   process is gone, in order, into the same runs, then closes runs that a gone process left RUNNING as KILLED
   (tag `closed_because`), and says in one line what it sent and what it closed. The command does so in the store
   beside the folder and those named by `--uri` too, with nothing kept.
@@ -27,17 +27,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 from rich.console import Console
 
-from pipelines.store import EXPERIMENT_NOTE, StoreWriter, repair_store, store_lock
+from pipelines.tracking.links import runs_link
+from pipelines.tracking.store import OpenStore, StoreWriter
 from stages.common.contract.artifacts import write_json_atomic
 from stages.common.contract.errors import RegraftError, chain_of
-
-if TYPE_CHECKING:
-    from pipelines.store_agent import AgentOutbox
 
 OWNER_TAGS = ("regraft.host", "regraft.pid", "regraft.started")
 KEPT_PATTERN = "*.json"
@@ -114,24 +112,11 @@ class Letter:
 
 
 class Outbox:
-    """One store's writer thread for this process (Outbox.of(cfg)), and what it could not send."""
+    """One store's writer thread for this process, and what it could not send (a command gets its own, or its
+    store agent's, from pipelines/tracking/store_agent.py::outbox_for)."""
 
-    opened: dict[str, "Outbox"] = {}
+    opened: dict[str, Any] = {}  # this process's way to each store (outbox_for): an Outbox, or an agent's
     handles = itertools.count()
-
-    @classmethod
-    def of(cls, cfg: DictConfig) -> "Outbox | AgentOutbox":
-        """This process's way to the store: its agent when `tracking.agent` (pipelines/store_agent.py), else (or
-        when no agent can serve it) a writer thread here."""
-        key = f"{cfg.uri}\n{cfg.experiment}\n{cfg.get('agent', False)}"
-        if key not in cls.opened:
-            reached = None
-            if cfg.get("agent", False):
-                from pipelines.store_agent import AgentOutbox
-
-                reached = AgentOutbox.reach(cfg)
-            cls.opened[key] = reached or cls(cfg)
-        return cls.opened[key]
 
     def __init__(self, cfg: DictConfig, opened: "OpenStore | None" = None, down: str | None = None):
         """`opened`: a store an agent keeps open, shared by its outboxes (one per command it serves, and no
@@ -177,9 +162,7 @@ class Outbox:
         return self.down is None and self.store is not None
 
     def runs_link(self, sweep: str | None) -> str | None:
-        """The link to the runs table (pipelines/tracking.py runs_link); None while the store does not answer."""
-        from pipelines.tracking import runs_link
-
+        """The link to the runs table (pipelines/tracking/links.py); None while the store does not answer."""
         return runs_link(self.client, self.experiment_id, self.cfg, sweep) if self.answering() else None
 
     def new_handle(self) -> str:
@@ -253,7 +236,7 @@ class Outbox:
         if letter.kept:
             return (f"{self.cfg.uri} stopped answering ({self.down}); {len(letter.kept)} updates of this run are kept "
                     f"in {letter.path} and go to MLflow with the next regraft command, or now with "
-                    f"`python -m pipelines.outbox {self.folder}`")
+                    f"`python -m pipelines.tracking.outbox {self.folder}`")
         return None
 
     def close_all(self) -> None:
@@ -273,28 +256,6 @@ def say(console: Console, words: str | None) -> None:
         console.print(f"[yellow]tracking:[/yellow] {words}", highlight=False, soft_wrap=True)
 
 
-@dataclass
-class OpenStore:
-    """A store opened for writing (created or migrated first, once, under its lock): the client, the experiment's id
-    and the writer that applies records."""
-
-    client: Any
-    experiment_id: str
-    writer: StoreWriter
-
-    @classmethod
-    def of(cls, cfg: DictConfig) -> "OpenStore":
-        import mlflow
-        from mlflow.tracking import MlflowClient
-
-        mlflow.set_tracking_uri(cfg.uri)
-        with store_lock(cfg.uri):  # created and migrated once, by whichever run comes first
-            repair_store(cfg.uri)
-            client = MlflowClient(cfg.uri)
-            experiment_id = experiment(client, cfg.experiment, Path(cfg.artifact_location).absolute().as_uri())
-        return cls(client, experiment_id, StoreWriter(client, cfg, experiment_id))
-
-
 def catch_up_store(store: OpenStore, cfg: DictConfig) -> list[str]:
     """What gone processes left: their kept letters sent, their RUNNING runs closed; a line for each that happened."""
     sent = send_kept(outbox_dir(cfg), store.writer, cfg)
@@ -303,38 +264,6 @@ def catch_up_store(store: OpenStore, cfg: DictConfig) -> list[str]:
         (sent, f"sent {sent} updates that an outage had kept in {outbox_dir(cfg)}"),
         (closed, f"closed {closed} runs left RUNNING by regraft processes that are gone (status KILLED, tag "
                  "closed_because)")) if count]
-
-
-def experiment(client: Any, name: str, artifact_location: str) -> str:
-    """The experiment's id, created if absent (a run that loses the race to create it takes the winner's), tagged to
-    open on its runs (MLflow 3 otherwise opens the GenAI overview) with a note on what to sort by."""
-    from mlflow.exceptions import MlflowException
-
-    found = client.get_experiment_by_name(name)
-    if found is None:
-        try:
-            client.create_experiment(name, artifact_location=artifact_location)
-        except MlflowException:
-            pass  # another run created it in between (a server store: no file lock)
-        found = client.get_experiment_by_name(name)
-    tags = found.tags
-    if tags.get("mlflow.experimentKind") != "custom_model_development":
-        set_experiment_tag(client, found.experiment_id, "mlflow.experimentKind", "custom_model_development")
-    if "mlflow.note.content" not in tags:  # a description edited in the UI stays
-        set_experiment_tag(client, found.experiment_id, "mlflow.note.content", EXPERIMENT_NOTE)
-    return found.experiment_id
-
-
-def set_experiment_tag(client: Any, experiment_id: str, key: str, value: str) -> None:
-    """An experiment tag that runs started together may all set to the same value: the SQLite store inserts a new
-    key, so the runs that lose the race fail on its UNIQUE constraint, and the winner's tag is theirs too."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.set_experiment_tag(experiment_id, key, value)
-    except MlflowException:
-        if client.get_experiment(experiment_id).tags.get(key) is None:
-            raise
 
 
 def send_kept(folder: Path, writer: StoreWriter, cfg: DictConfig) -> int:
@@ -382,11 +311,11 @@ def close_orphans(client: Any, experiment_id: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m pipelines.outbox [folder] [--uri URI]`: send every kept letter in the folder (default
+    """`python -m pipelines.tracking.outbox [folder] [--uri URI]`: send every kept letter in the folder (default
     outputs/outbox) whose process is gone, each to its own store, and close the runs gone processes left RUNNING
     in those stores, in the store beside the folder (`<folder>/../mlflow.db`, the default) and in `--uri`'s: one
     line per store. Exit 1 while a store does not answer."""
-    parser = argparse.ArgumentParser(prog="python -m pipelines.outbox", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pipelines.tracking.outbox", description=main.__doc__)
     parser.add_argument("folder", nargs="?", default="outputs/outbox", type=Path)
     parser.add_argument("--uri", action="append", default=[], help="another store to close orphaned runs in")
     parser.add_argument("--experiment", default="regraft", help="the experiment of the --uri stores")
@@ -424,7 +353,7 @@ def stores_of(folder: Path, uris: list[str], experiment: str) -> dict[tuple[str,
 
 
 def replay(settings: dict[str, Any], folder: Path) -> tuple[list[str], str | None]:
-    """One store caught up (pipelines/outbox.py catch_up_store): what it did, or why the store did not answer."""
+    """One store caught up (pipelines/tracking/outbox.py catch_up_store): what it did, or why the store did not answer."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create({**settings, "outbox": str(folder)})
