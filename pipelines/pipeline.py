@@ -133,6 +133,7 @@ def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> 
         results.update(run_rungs(evaluations, results))
         for name, finalist in zip(names, outcome.finalists):
             finalist.accept_len = results[name].metrics.get("accept_len")
+            finalist.per_request = results[name].metrics.get("accept_len_per_request")
             finalist.per_set = {key.removeprefix("accept_len/"): value for key, value in results[name].metrics.items()
                                 if key.startswith("accept_len/")}
             finalist.turns = evaluated_turns(results[name].out)

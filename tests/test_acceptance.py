@@ -117,3 +117,22 @@ def test_pooled_and_per_request_accept_len_can_rank_two_drafters_differently():
     same = turns((10, 5), (10, 5))  # equal turns: the two agree
     assert accept_length(same) == accept_length_per_request(same) == 2.0
     assert per_set(long_answer_fast, ["chat"])["accept_len_per_request/chat"] == pytest.approx(2.0)
+
+
+def test_the_summary_keeps_each_per_request_mean_and_says_when_it_ranks_the_phases_otherwise():
+    from pipelines.report.summary import accept_len_orders, headline_numbers, story_caption
+
+    def evaluated(pooled, per_request):
+        return {"stage": "probe", "key": str(pooled), "metrics": {"accept_len": pooled,
+                                                                 "accept_len_per_request": per_request}}
+
+    agree = headline_numbers({"probe": evaluated(1.2, 1.1), "evaluate": evaluated(1.6, 1.5),
+                              "baseline_evaluate": evaluated(1.4, 1.3)})
+    assert agree["phase1/request_mean"] == 1.5 and agree["scratch/request_mean"] == 1.3
+    assert accept_len_orders(agree) is None and story_caption({"numbers": agree}) is None
+    differ = headline_numbers({"probe": evaluated(1.2, 1.1), "evaluate": evaluated(1.6, 1.3),
+                               "baseline_evaluate": evaluated(1.4, 1.5)})
+    said = accept_len_orders(differ)
+    assert said == ("accept_len pooled over all turns ranks phase1 > scratch > phase0; its per-request mean ranks "
+                    "scratch > phase1 > phase0 (scratch 1.500, phase1 1.300, phase0 1.100)")
+    assert story_caption({"numbers": differ}) == said

@@ -143,6 +143,19 @@ def test_measured_accept_len_decides_even_against_val_loss():
     assert "val loss 2.870 vs 2.700; val loss ranks them the other way" in said
 
 
+def test_the_decision_names_the_per_request_means_and_when_they_rank_the_other_way():
+    """The pooled figure decides; the per-request mean is said beside it, with a note when it would name the other
+    finalist (a benchmark averaging per request would), and without one when it agrees."""
+    remap = finalist("remap", 2.70, [(10, 8)] * 12)
+    scratch = finalist("scratch", 2.87, [(13, 8)] * 12)
+    remap.per_request, scratch.per_request = 1.30, 1.60
+    _, agrees = decided(remap, scratch)
+    assert "; per-request mean 1.600 vs 1.300;" in agrees and "other way)" not in agrees
+    remap.per_request = 1.70
+    _, differs = decided(remap, scratch)
+    assert "; per-request mean 1.600 vs 1.700 (it ranks them the other way)" in differs
+
+
 def test_accept_len_within_the_noise_is_a_tie_that_val_loss_decides():
     """Two finalists whose conversations go either way: the interval holds 0, val loss decides and the sentence
     says so; the same pair measured far apart is decided by accept_len."""

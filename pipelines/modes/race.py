@@ -116,6 +116,7 @@ class Finalist:
     accept_len: float | None = None  # measured by its evaluate node, when pipeline.evaluate
     per_set: dict[str, float] = field(default_factory=dict)  # its accept_len on each eval set, likewise
     turns: list[dict] = field(default_factory=list)  # its evaluation's rows (per_prompt.csv): the noise's paired draws
+    per_request: float | None = None  # the mean of its turns' own accept_len (the pooled figure decides)
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,7 @@ def decision(outcome: RaceOutcome, budget: int) -> str:
                 f"{losses}")
         if winner.val_loss > rival.val_loss:
             text += "; val loss ranks them the other way"
+        text += per_request_said(winner, rival)
         text += where_the_rival_wins(winner, rival)
     elif outcome.basis == "tie":
         text = (f"{family} beats {rival.candidate.family} on val loss at the full budget of {budget} steps, as their "
@@ -287,6 +289,15 @@ def decision(outcome: RaceOutcome, budget: int) -> str:
                 f"(no finalist was evaluated: pipeline.evaluate=false): {pair}, {losses}, sim accept_len "
                 f"{winner.sim_accept_len:.3f} vs {rival.sim_accept_len:.3f}")
     return text + f"; the race spent {outcome.compute_share:.0%} of running all candidates to the end"
+
+
+def per_request_said(winner: Finalist, rival: Finalist) -> str:
+    """The per-request means beside the pooled figures, and whether they rank the finalists the other way (a
+    benchmark that averages per-request acceptance would then name the other family)."""
+    if winner.per_request is None or rival.per_request is None:
+        return ""
+    said = f"; per-request mean {winner.per_request:.3f} vs {rival.per_request:.3f}"
+    return said + (" (it ranks them the other way)" if rival.per_request > winner.per_request else "")
 
 
 def where_the_rival_wins(winner: Finalist, rival: Finalist) -> str:
@@ -321,7 +332,8 @@ def race_summary(outcome: RaceOutcome, budget: int) -> dict:
     return {"decision": decision(outcome, budget), "winner": outcome.winner.candidate.label,
             "decided_by": outcome.basis, "accept_len_gap": gap,
             "finalists": [{"candidate": f.candidate.label, "family": f.candidate.family, "val_loss": f.val_loss,
-                           "sim_accept_len": f.sim_accept_len, "accept_len": f.accept_len, "per_set": f.per_set}
+                           "sim_accept_len": f.sim_accept_len, "accept_len": f.accept_len,
+                           "accept_len_per_request": f.per_request, "per_set": f.per_set}
                           for f in outcome.finalists],
             "compute_share": outcome.compute_share, "steps_spent": outcome.steps_spent,
             "steps_all_to_the_end": outcome.steps_all, "budget_steps": budget,

@@ -57,6 +57,10 @@ HEADLINES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("diagnose/remap_loss_0", (DIAGNOSE,), "heldout_loss_0_remap", "held-out step-0 loss, remapped"),
     ("diagnose/realign_loss_0", (DIAGNOSE,), "heldout_loss_0_realign", "held-out step-0 loss, re-aligned"),
 )
+# Each accept_len headline's per-request mean (the probe's `accept_len_per_request`): beside the pooled figure in
+# summary.json and the parent run, not in the story table, which keeps the pooled figures regraft decides by.
+PER_REQUEST = {"phase0/accept_len": "phase0/request_mean", "phase1/accept_len": "phase1/request_mean",
+               "scratch/accept_len": "scratch/request_mean"}
 GAINS = (("gain/over_phase0", "phase0/accept_len", "accept_len gain of phase 1 over phase 0"),
          ("gain/over_scratch", "scratch/accept_len", "accept_len gain of phase 1 over scratch"))
 RACE_LABELS = {"race/compute_share": "race: share of all-to-the-end compute",
@@ -64,7 +68,9 @@ RACE_LABELS = {"race/compute_share": "race: share of all-to-the-end compute",
                "race/loss_transfer": "race: val loss, best transfer",
                "race/loss_scratch": "race: val loss, best scratch",
                "race/len_transfer": "race: accept_len, best transfer",
-               "race/len_scratch": "race: accept_len, best scratch"}
+               "race/len_scratch": "race: accept_len, best scratch",
+               "race/req_transfer": "race: accept_len per-request mean, best transfer",
+               "race/req_scratch": "race: accept_len per-request mean, best scratch"}
 COUNTS = ("maps/shared_ids", "maps/positions_agree")  # shown as integers
 
 
@@ -89,6 +95,8 @@ def headline_numbers(results: dict[str, dict]) -> dict[str, Any]:
                      is not None), None)
 
     numbers = {name: metric(nodes, key) for name, nodes, key, _ in HEADLINES}
+    numbers.update({PER_REQUEST[name]: metric(nodes, "accept_len_per_request") for name, nodes, _, _ in HEADLINES
+                    if name in PER_REQUEST})
     numbers.update(per_eval_set(results))
     phase1 = numbers["phase1/accept_len"]
     for name, other, _ in GAINS:
@@ -183,11 +191,28 @@ def story_rows(numbers: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def story_caption(summary: dict) -> str | None:
-    """Said under the story table when phase 1 and the baseline are one computation."""
-    if not summary.get("phase1_is_scratch"):
+    """Said under the story table: when phase 1 and the baseline are one computation, and when the per-request
+    mean ranks the phases unlike the pooled accept_len."""
+    said = [line for line in (accept_len_orders(summary.get("numbers", {})),) if line]
+    if summary.get("phase1_is_scratch"):
+        said.insert(0, "finetune.init=scratch: the fine-tune is the from-scratch baseline (one cache key), so phase 1 "
+                       "is the scratch result; it is not shown twice")
+    return "\n".join(said) or None
+
+
+def accept_len_orders(numbers: dict[str, Any]) -> str | None:
+    """A line when the per-request mean of accept_len ranks phase 0, phase 1 and scratch in another order than the
+    pooled figure does (the figures shown are pooled; a benchmark averaging per request would rank them so)."""
+    phases = [name.split("/")[0] for name in PER_REQUEST if name in numbers and PER_REQUEST[name] in numbers]
+    if len(phases) < 2:
         return None
-    return "finetune.init=scratch: the fine-tune is the from-scratch baseline (one cache key), so phase 1 is the " \
-           "scratch result; it is not shown twice"
+    pooled = sorted(phases, key=lambda phase: -numbers[f"{phase}/accept_len"])
+    per_request = sorted(phases, key=lambda phase: -numbers[f"{phase}/request_mean"])
+    if pooled == per_request:
+        return None
+    return (f"accept_len pooled over all turns ranks {' > '.join(pooled)}; its per-request mean ranks "
+            f"{' > '.join(per_request)} (" + ", ".join(f"{phase} {numbers[f'{phase}/request_mean']:.3f}"
+                                                      for phase in per_request) + ")")
 
 
 def per_step_accuracy(results: dict[str, dict], node: str) -> list[float]:
@@ -314,6 +339,8 @@ def write_summary(run_dir: Path, results: dict[str, NodeResult], config: dict, o
             summary["numbers"][f"race/loss_{finalist['family']}"] = finalist["val_loss"]
             if finalist["accept_len"] is not None:
                 summary["numbers"][f"race/len_{finalist['family']}"] = finalist["accept_len"]
+            if finalist.get("accept_len_per_request") is not None:
+                summary["numbers"][f"race/req_{finalist['family']}"] = finalist["accept_len_per_request"]
             for name, value in finalist.get("per_set", {}).items():
                 summary["numbers"][f"race/len_{finalist['family']}/{name}"] = value
     if failed:  # a sweep member whose stage failed: `<node>: <its line>`
