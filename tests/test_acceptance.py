@@ -136,3 +136,24 @@ def test_the_summary_keeps_each_per_request_mean_and_says_when_it_ranks_the_phas
     assert said == ("accept_len pooled over all turns ranks phase1 > scratch > phase0; its per-request mean ranks "
                     "scratch > phase1 > phase0 (scratch 1.500, phase1 1.300, phase0 1.100)")
     assert story_caption({"numbers": differ}) == said
+
+
+def test_the_both_ways_block_shows_each_measured_phase_and_whether_the_orders_agree(tmp_path):
+    from bench.accept_both import block
+
+    def probe(pooled, per_request):
+        return {"metrics": {"accept_len": pooled, "accept_len_per_request": per_request, "num_steps": 2,
+                            "accept_rate_1": 0.5, "accept_rate_2": 0.25, "turns": 12}}
+
+    summary = {"stages": {"probe": probe(1.2, 1.1), "evaluate": probe(1.6, 1.3), "baseline_evaluate": probe(1.4, 1.5)},
+               "numbers": {"phase0/accept_len": 1.2, "phase0/request_mean": 1.1, "phase1/accept_len": 1.6,
+                           "phase1/request_mean": 1.3, "scratch/accept_len": 1.4, "scratch/request_mean": 1.5},
+               "overrides": []}
+    text = block(tmp_path / "run", summary, "bench/accept_both.py --write")
+    lines = text.splitlines()
+    assert lines[3].split() == ["phase1", "(fine-tuned)", "1.600", "1.300", "0.500", "/", "0.250", "12"]
+    assert "Accept_len pooled over all turns ranks phase1 > scratch > phase0; its per-request mean ranks" in \
+        " ".join(lines)
+    summary["stages"]["baseline_evaluate"] = probe(1.4, 1.2)
+    summary["numbers"]["scratch/request_mean"] = 1.2
+    assert "rank the phases alike" in block(tmp_path / "run", summary, "x")
