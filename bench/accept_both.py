@@ -46,9 +46,10 @@ def block(run: Path, summary: dict, command: str) -> str:
     lines = ["   ".join(cell.ljust(width) if i in (0, 3) else cell.rjust(width) for i, (cell, width) in
                        enumerate(zip(row, widths))).rstrip() for row in table]
     orders = accept_len_orders(summary["numbers"]) or "the pooled figure and the per-request mean rank the phases alike"
-    said = (f"Run `{run.name}` (overrides: {' '.join(summary.get('overrides', [])) or 'none'}) on {cpu_model()}. "
-            f"{orders[0].upper() + orders[1:]}. {written(command)}.")
-    return "```\n" + "\n".join(lines) + "\n```\n\n" + "\n".join(textwrap.wrap(said, width=118)) + "\n"
+    said = (f"Run `{run.name}` (overrides: {' '.join(summary.get('overrides', [])) or 'none'}) on {cpu_model()}: "
+            f"{orders}. {written(command)}.")
+    wrapped = textwrap.wrap(said, width=118, break_on_hyphens=False)
+    return "```\n" + "\n".join(lines) + "\n```\n\n" + "\n".join(wrapped) + "\n"
 
 
 def main() -> int:

@@ -152,7 +152,7 @@ def test_the_both_ways_block_shows_each_measured_phase_and_whether_the_orders_ag
     text = block(tmp_path / "run", summary, "bench/accept_both.py --write")
     lines = text.splitlines()
     assert lines[3].split() == ["phase1", "(fine-tuned)", "1.600", "1.300", "0.500", "/", "0.250", "12"]
-    assert "Accept_len pooled over all turns ranks phase1 > scratch > phase0; its per-request mean ranks" in \
+    assert "accept_len pooled over all turns ranks phase1 > scratch > phase0; its per-request mean ranks" in \
         " ".join(lines)
     summary["stages"]["baseline_evaluate"] = probe(1.4, 1.2)
     summary["numbers"]["scratch/request_mean"] = 1.2
