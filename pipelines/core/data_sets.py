@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from stages.common.data.chat_prompts import EvalSet
 from stages.common.data.named import SetSpec, describe, materialise, target
 
 
@@ -33,10 +34,14 @@ def settle_data(cfg: DictConfig, fetch: bool = True) -> list[dict]:
                        "source": spec.source, "path": str(path), "materialised": path.exists()})
         return str(path)
 
+    if train.path is None:
+        with open_dict(cfg):
+            cfg.data.train = path_of(train, False, "data.train")
     with open_dict(cfg):
-        cfg.data.train = path_of(train, False, "data.train")
-        cfg.data.eval_sets = OmegaConf.create([{"name": spec.name, "path": path_of(spec, True, "data.eval_sets")}
-                                               for spec in sets])
+        # typed entries: probe.eval_sets (list[EvalSet]) takes them through ${data.eval_sets} when a sweep member's
+        # config is resolved in place, where the plain mappings data.eval_sets (list[Any]) holds are refused
+        cfg.data.eval_sets = [OmegaConf.structured(EvalSet(spec.name, path_of(spec, True, "data.eval_sets")))
+                              for spec in sets]
     return listed
 
 
