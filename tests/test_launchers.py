@@ -107,7 +107,11 @@ FINETUNES = ("finetune", "baseline_finetune")
 
 
 def kimi_nodes(*overrides: str) -> tuple[SlurmLauncher, dict[str, Node]]:
+    """The experiment's nodes as a run builds them: its named data sets settled to paths first (fetching nothing)."""
+    from pipelines.core.data_sets import settle_data
+
     cfg = composed("experiment=kimi_k25", *overrides)
+    settle_data(cfg, fetch=False)
     return SlurmLauncher(cfg.launcher, Path("unused")), {n.name: n for n in build_nodes(cfg)}
 
 
