@@ -82,19 +82,18 @@ def words_substituted(text: str, tokenizer) -> str:
     return tokenizer.decode([cipher.get(token, token) for token in tokenizer.encode(text, add_special_tokens=False)])
 
 
-_CIPHERS: dict[tuple, dict[int, int]] = {}  # by vocabulary: every chat of a world is written with one cipher
-
-
 def word_cipher(tokenizer) -> dict[int, int]:
     """A permutation of the tokenizer's whole-word ids (a space, then letters, re-encoded to that one id), drawn
-    with a fixed seed from the sorted ids: the same tokenizer gives the same cipher."""
-    key = tuple(sorted(tokenizer.get_vocab().items()))
-    if key not in _CIPHERS:
+    with a fixed seed from the sorted ids: the same vocabulary gives the same cipher. Kept on the tokenizer, so every
+    chat of a world is written with one cipher made once."""
+    cipher = getattr(tokenizer, "_regraft_word_cipher", None)
+    if cipher is None:
         words = sorted(token for token in tokenizer.get_vocab().values() if _whole_word(tokenizer, token))
         shuffled = words[:]
         random.Random(0).shuffle(shuffled)
-        _CIPHERS[key] = dict(zip(words, shuffled))
-    return _CIPHERS[key]
+        cipher = dict(zip(words, shuffled))
+        tokenizer._regraft_word_cipher = cipher
+    return cipher
 
 
 def _whole_word(tokenizer, token: int) -> bool:
