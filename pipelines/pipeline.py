@@ -20,7 +20,7 @@ from rich.console import Console
 import pipelines.schema  # noqa: F401  (registers the root schema and, through it, every stage's)
 from pipelines.core.cache import CacheCheck, keys_for
 from pipelines.core.data_sets import settle_data
-from pipelines.core.dag import PHASE1, Node, build_nodes, evaluate_node
+from pipelines.core.dag import PHASE1, Node, build_nodes, measurement
 from pipelines.core.runner import NodeResult, pending, run_dag
 from pipelines.launch.base import Launcher
 from pipelines.launch.make import make_launcher
@@ -128,8 +128,8 @@ def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> 
     nodes, results, outcome = run_race(cfg, run_rungs)
     if cfg.pipeline.evaluate:  # every finalist measured as phase 1 is; the one that accepts more is phase 1
         names = [f"{finalist.candidate.name}_evaluate" for finalist in outcome.finalists]
-        evaluations = [evaluate_node(cfg, name, finalist.result.out, "race")
-                       for name, finalist in zip(names, outcome.finalists)]
+        evaluations = [node for name, finalist in zip(names, outcome.finalists)
+                       for node in measurement(cfg, name, finalist.result.out, "race")]
         results.update(run_rungs(evaluations, results))
         for name, finalist in zip(names, outcome.finalists):
             finalist.accept_len = results[name].metrics.get("accept_len")
@@ -139,7 +139,7 @@ def race_then_evaluate(cfg: DictConfig, launcher, tracker, console: Console) -> 
             finalist.turns = evaluated_turns(results[name].out)
         outcome.decide()
         # the winner's own evaluation again under phase 1's name: the same node config, so a cache hit
-        results.update(run_rungs([evaluate_node(cfg, PHASE1.evaluate, outcome.winner.result.out, PHASE1.phase)],
+        results.update(run_rungs(measurement(cfg, PHASE1.evaluate, outcome.winner.result.out, PHASE1.phase),
                                  results))
     console.print(race_table(outcome))
     summary = race_summary(outcome, cfg.race.budget_steps)

@@ -2,30 +2,25 @@
 root config itself (conf/config.yaml pulls `/schema/regraft`), so a typo anywhere fails at composition.
 
 The stages' own schemas are in stages/schemas/ (one module per stage, none importing torch or the stage's
-code); their defaults live there, once.
+code); their defaults live there, once. The root has a field for each stage the registry holds
+(pipelines/core/registry.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib
+from dataclasses import dataclass, field, make_dataclass
 from enum import Enum
 from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 
+from pipelines.core.registry import STAGES, StageEntry
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import CHECKS, check_config, register_schema, setting
 from stages.common.data.chat_prompts import EvalSet, check_eval_sets
 from stages.common.data.named import describe
 from stages.common.drafter.config import check_family
-from stages.schemas.compare import CompareConfig
-from stages.schemas.diagnose import DiagnoseConfig
-from stages.schemas.features import FeaturesConfig
 from stages.schemas.finetune import FinetuneConfig, Init
-from stages.schemas.probe import ProbeConfig
-from stages.schemas.regenerate import RegenerateConfig
-from stages.schemas.remap import RemapConfig
-from stages.schemas.vocab_map import VocabMapConfig
-from stages.schemas.world import WorldConfig
 
 
 @dataclass
@@ -239,33 +234,49 @@ class Paths:
     run: str = "${hydra:runtime.output_dir}"  # this run's summary, plots and job logs
 
 
-@dataclass
-class RegraftConfig:
-    """The root: one field per config group (filled by conf/config.yaml's defaults list) and the pipeline's own."""
+def root_schema() -> type:
+    """The root (conf/config.yaml pulls `/schema/regraft`): the inputs (target, source, data), one field per
+    registered stage (pipelines/core/registry.py: its schema's defaults, a group under conf/ on top where it has
+    one), and the pipeline's own settings."""
+    inputs = [(name, kind, field(default=MISSING))
+              for name, kind in (("target", TargetConfig), ("source", SourceConfig), ("data", DataConfig))]
+    stages = [(stage.name, stage.schema, field(default_factory=stage.schema)) for stage in STAGES]
+    own = [(name, kind, field(default=MISSING)) for name, kind in (("launcher", LauncherConfig),
+                                                                   ("tracking", TrackingConfig))]
+    own += [(name, kind, field(default_factory=kind)) for name, kind in (
+        ("pipeline", PipelineSwitches), ("race", RaceConfig), ("plan", PlanConfig), ("cache", CacheConfig),
+        ("paths", Paths))]
+    return make_dataclass("RegraftConfig", inputs + stages + own)
 
-    world: WorldConfig = MISSING
-    target: TargetConfig = MISSING
-    source: SourceConfig = MISSING
-    data: DataConfig = MISSING
-    regenerate: RegenerateConfig = MISSING
-    probe: ProbeConfig = MISSING
-    vocab_map: VocabMapConfig = MISSING
-    compare: CompareConfig = MISSING
-    remap: RemapConfig = MISSING
-    diagnose: DiagnoseConfig = MISSING
-    features: FeaturesConfig = MISSING
-    finetune: FinetuneConfig = MISSING
-    launcher: LauncherConfig = MISSING
-    tracking: TrackingConfig = MISSING
-    pipeline: PipelineSwitches = field(default_factory=PipelineSwitches)
-    race: RaceConfig = field(default_factory=RaceConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    paths: Paths = field(default_factory=Paths)
+
+RegraftConfig = root_schema()
+
+
+def register_root() -> None:
+    global RegraftConfig
+    RegraftConfig = root_schema()
+    register_schema("regraft", RegraftConfig)
+
+
+def register_stage(stage: StageEntry) -> None:
+    """A stage added from outside (a plugin's, a test's): registered after the built-in ones, its config group in
+    the root from the next composition on."""
+    if any(known.name == stage.name for known in STAGES):
+        raise ValueError(f"a stage named {stage.name!r} is registered already")
+    importlib.import_module(stage.schema_module)
+    STAGES.append(stage)
+    register_root()
+
+
+def unregister_stage(name: str) -> None:
+    STAGES[:] = [stage for stage in STAGES if stage.name != name]
+    register_root()
 
 
 register_schema("target", TargetConfig)
 register_schema("source", SourceConfig)
+
+
 def check_data(cfg, where: str) -> None:
     """Every entry a known name, a path or a set's fields (one line listing the known names otherwise)."""
     describe(cfg.train, f"{where}.train")
@@ -276,4 +287,4 @@ CHECKS[DataConfig] = check_data
 register_schema("data", DataConfig)
 register_schema("launcher", LauncherConfig)
 register_schema("tracking", TrackingConfig)
-register_schema("regraft", RegraftConfig)
+register_root()

@@ -7,7 +7,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 import pipelines.regraft  # noqa: F401  (registers every schema)
-from pipelines.core.jobs import stage_names
+from pipelines.core.registry import stage_names
 from stages.common.contract.stage import CONF_DIR, compose_stage, stage_defaults
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")  # hydra/: Hydra's own

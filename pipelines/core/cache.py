@@ -26,11 +26,11 @@ from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.core.dag import Node, substitute
+from pipelines.core.registry import code_packages, entry
 from stages.common.contract.artifacts import read_manifest, sha256_of
 from stages.common.contract.errors import RegraftError
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT_PACKAGES = ("stages", "pipelines")
 KEY_LENGTH = 16
 # config fields naming places a stage writes, not reads: their names are in the key, never their contents (a race's
 # shared checkpoint folder grows as later rungs train, and must not change the keys of the rungs before them)
@@ -39,7 +39,7 @@ WRITTEN_PATHS = ("out", "checkpoint_dir")
 
 def module_file(name: str) -> Path | None:
     """The source file of a project module (a package's __init__.py), or None for anything else."""
-    if name.split(".")[0] not in PROJECT_PACKAGES:
+    if name.split(".")[0] not in code_packages():
         return None
     base = ROOT.joinpath(*name.split("."))
     for candidate in (base / "__init__.py", base.with_suffix(".py")):
@@ -85,7 +85,7 @@ def project_modules(module: str) -> dict[str, Path]:
 def code_version(stage: str) -> str:
     """A hash of the code a stage runs: its module and every project module it imports, transitively."""
     digest = hashlib.sha256()
-    for name, path in sorted(project_modules(f"stages.{stage}").items()):
+    for name, path in sorted(project_modules(entry(stage).module).items()):
         digest.update(name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:KEY_LENGTH]

@@ -25,12 +25,13 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pipelines.core.registry import drafter_steps
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import stage_defaults
 
 # a data-parallel part is `features_3` (features.parts); a sweep's one DAG names a node that differs between
-# members `finetune#2` (pipelines/sweep.py)
-REFERENCE = re.compile(r"^@(?P<node>[a-z_]+(?:_[0-9]+)?(?:#[0-9]+)?)(?:/(?P<sub>.*))?$")
+# members `finetune#2` (pipelines/sweep.py); a race's nodes carry their rate (`race_remap_lr0.001_evaluate`)
+REFERENCE = re.compile(r"^@(?P<node>[a-z][a-z0-9_.-]*(?:#[0-9]+)?)(?:/(?P<sub>.*))?$")
 PART = re.compile(r"(_[0-9]+)?(#[0-9]+)?$")
 
 
@@ -133,6 +134,19 @@ def evaluate_node(cfg: DictConfig, name: str, drafter: str, phase: str) -> Node:
     return Node(name, "probe", wired(cfg.probe, target=cfg.target.path, drafter=drafter), phase)
 
 
+def measurement(cfg: DictConfig, name: str, drafter: str, phase: str) -> list[Node]:
+    """A fine-tuned drafter measured: through every registered drafter step first (pipelines/core/registry.py, in
+    order, each reading the one before), then the evaluation `name`, which reads the last step's drafter. A step's
+    node is named as the evaluation with its stage for `evaluate` (`baseline_quantize` for `baseline_evaluate`)."""
+    steps = []
+    for step in drafter_steps():
+        inputs = {"drafter": drafter, **({"target": cfg.target.path} if "target" in cfg[step.name] else {})}
+        node = Node(f"{name.removesuffix('evaluate')}{step.name}", step.name, wired(cfg[step.name], **inputs), phase)
+        steps.append(node)
+        drafter = f"@{node.name}"
+    return [*steps, evaluate_node(cfg, name, drafter, phase)]
+
+
 def training_data(cfg: DictConfig) -> str:
     """What everything that trains reads: the new target's own answers under pipeline.regenerate, else data.train."""
     return "@regenerate/regenerated.jsonl" if cfg.pipeline.regenerate else cfg.data.train
@@ -203,7 +217,7 @@ def build_nodes(cfg: DictConfig) -> list[Node]:
     for run, run_init in runs:
         nodes.append(finetune_node(cfg, run.train, run_init, run.phase))
         if cfg.pipeline.evaluate:  # phase 1 is measured exactly as phase 0, by the same stage and settings
-            nodes.append(evaluate_node(cfg, run.evaluate, f"@{run.train}", run.phase))
+            nodes += measurement(cfg, run.evaluate, f"@{run.train}", run.phase)
     for node in nodes:
         if node.phase != "setup":
             mark_new_target(node, cfg.target)

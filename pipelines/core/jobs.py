@@ -16,19 +16,18 @@ job was given. On Slurm two more shapes exist (pipelines/launch/slurm.py picks t
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from pipelines.core.cache import is_complete, stage_lock, sweep_leftovers
+from pipelines.core.registry import schema_module, stage_module
 from stages.common.contract.artifacts import read_manifest
 from stages.common.contract.errors import RegraftError, disk_full
 from stages.common.contract.runtime import set_process_defaults
@@ -45,25 +44,6 @@ class RankedStage(Protocol):
     def check_ranks(self, cfg: Any, stage: str) -> None: ...  # the ranks this machine can start (RegraftError)
 
     def run_rank(self, cfg: Any, launched: bool) -> Any: ...
-
-
-def stage_module(stage: str) -> ModuleType:
-    return importlib.import_module(f"stages.{stage}")
-
-
-def schema_module(stage: str) -> ModuleType:
-    """The stage's config and the checks it asks of a machine (stages/schemas/): no torch, none of its code."""
-    return importlib.import_module(f"stages.schemas.{stage}")
-
-
-def stage_names() -> list[str]:
-    """Every stage: the modules and packages under stages/ but its library (common) and their configs (schemas)."""
-    import pkgutil
-
-    import stages
-
-    return sorted(module.name for module in pkgutil.iter_modules(stages.__path__)
-                  if module.name not in ("common", "schemas"))
 
 
 @dataclass

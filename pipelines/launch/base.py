@@ -19,7 +19,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.core.dag import Node, base_name
-from pipelines.core.jobs import StageFailed, StageOutcome, reported_error, schema_module, stage_names
+from pipelines.core.jobs import StageFailed, StageOutcome, reported_error
+from pipelines.core.registry import schema_module, stage_names
 from pipelines.launch.node_gpus import NodeGpus, this_machine, where_counted
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.hardware import Holds

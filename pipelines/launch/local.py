@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipelines.core.dag import Node
 from pipelines.core.jobs import OnGpus, StageOutcome, resumable, run_stage
+from pipelines.core.registry import entry
 from pipelines.launch.base import SubmititLauncher
 from pipelines.launch.node_gpus import GpuPool
 
@@ -57,7 +58,7 @@ class LocalLauncher(SubmititLauncher):
         if nodes and self.cfg.get("warm", False):
             from pipelines.launch.warm.server import shared_interpreter
 
-            self.warm = shared_interpreter(sorted({f"stages.{node.stage}" for node in nodes}),
+            self.warm = shared_interpreter(sorted({entry(node.stage).module for node in nodes}),
                                            self.folder / "warm.log")
 
     def executor(self, node: Node, after: list[Any]):

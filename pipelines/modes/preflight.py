@@ -33,7 +33,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.core.dag import REFERENCE, Node
-from pipelines.core.jobs import schema_module
+from pipelines.core.registry import schema_module
 from pipelines.launch.base import Launcher
 from pipelines.core.data_sets import unfetched
 from pipelines.schema import RegraftConfig

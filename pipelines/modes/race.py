@@ -32,7 +32,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.core.cache import CacheCheck, keys_for
-from pipelines.core.dag import PHASE1, PROBE, Node, build_nodes, evaluate_node, finetune_node
+from pipelines.core.dag import PHASE1, PROBE, Node, build_nodes, finetune_node, measurement
 from pipelines.core.runner import NodeResult, run_dag
 
 
@@ -377,10 +377,10 @@ def every_candidate_to_the_end(cfg: DictConfig, run_rungs) -> list[Reference]:
     done = run_rungs(whole, results)
     measured: dict[str, dict] = {node.name: {} for node in whole}
     if cfg.pipeline.evaluate:
-        evaluations = {node.name: evaluate_node(cfg, f"{node.name}_evaluate", done[node.name].out, "race")
+        evaluations = {node.name: measurement(cfg, f"{node.name}_evaluate", done[node.name].out, "race")
                        for node in whole}
-        evaluated = run_rungs(list(evaluations.values()), {**results, **done})
-        measured = {name: evaluated[node.name].metrics for name, node in evaluations.items()}
+        evaluated = run_rungs([node for nodes in evaluations.values() for node in nodes], {**results, **done})
+        measured = {name: evaluated[nodes[-1].name].metrics for name, nodes in evaluations.items()}
     references = [Reference(candidate.label, done[node.name].metrics.get("val_loss", math.inf),
                             measured[node.name].get("accept_len"),
                             {key.removeprefix("accept_len/"): value for key, value in measured[node.name].items()
