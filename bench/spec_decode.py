@@ -201,7 +201,7 @@ def main() -> int:
     parser.add_argument("--forward-calls", type=int, default=50, help="calls per timed forward kind")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES.values()), help="target hidden sizes")
     parser.add_argument("--decode-threads", type=int, default=spec_decode.DECODE_THREADS,
-                        help="intra-op threads while decoding (0: torch's own setting, as before the change)")
+                        help="intra-op threads while decoding (0: torch's own setting)")
     parser.add_argument("--workdir", type=Path, help="build (or reuse) the models here, and keep them")
     parser.add_argument("--keep", action="store_true", help="keep the temporary world (its path is printed)")
     args = parser.parse_args()

@@ -264,7 +264,7 @@ def test_counts_are_kept_across_commands_until_an_input_changes(target_dir, chat
 
     data = tmp_path / "chats.jsonl"
     data.write_bytes(chats.read_bytes())
-    monkeypatch.setattr(estimates, "KEPT", tmp_path / "estimates")
+    monkeypatch.setattr(estimates, "COUNTS_FOLDER", tmp_path / "estimates")
     first = estimates.chat_tokens(str(target_dir), str(data), 48, False, 10_000)
     estimates._chat_tokens.cache_clear()  # the next command: nothing in memory
 

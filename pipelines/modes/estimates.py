@@ -33,7 +33,7 @@ from stages.common.drafter.config import drafter_config_for, language_model_conf
 # where counts are kept across commands (plan_pipeline sets paths.outputs/estimates): a plan of unchanged inputs
 # loads no tokenizer and builds no model (each count keyed by its arguments and the size and mtime of the files
 # they name)
-KEPT: Path | None = None
+COUNTS_FOLDER: Path | None = None
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ID_AND_MASK_BYTES = 9  # every stored position also holds its int64 id and bool loss mask
@@ -56,24 +56,24 @@ class Estimate:
                 "notes": self.notes}
 
 
-def kept(function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function` (of JSON-able arguments and result) memoized in this process and, with KEPT set, on disk."""
+def memoized_on_disk(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` (of JSON-able arguments and result) memoized in this process and, with COUNTS_FOLDER set, on disk."""
     memo = lru_cache(maxsize=16)(function)
 
     @wraps(function)
     def wrapper(*args: Any) -> Any:
-        if KEPT is None:
+        if COUNTS_FOLDER is None:
             return memo(*args)
         from pipelines.core.cache import fingerprint
 
         files = [fingerprint(arg) for arg in args if isinstance(arg, str) and len(arg) < 4096 and os.path.exists(arg)]
         key = hashlib.sha256(json.dumps([function.__name__, args, files]).encode()).hexdigest()[:16]
-        path = KEPT / f"{function.__name__}-{key}.json"
+        path = COUNTS_FOLDER / f"{function.__name__}-{key}.json"
         if path.is_file():
             return tuple(json.loads(path.read_text()))
         result = memo(*args)
         with contextlib.suppress(OSError):  # not kept: the next plan counts again
-            KEPT.mkdir(parents=True, exist_ok=True)
+            COUNTS_FOLDER.mkdir(parents=True, exist_ok=True)
             write_json_atomic(path, list(result))
         return result
     wrapper.cache_clear = memo.cache_clear  # type: ignore[attr-defined]
@@ -92,7 +92,7 @@ def model_config(folder: str) -> dict[str, Any]:
     return language_model_config(json.loads(path.read_text()))
 
 
-@kept
+@memoized_on_disk
 def _target_params(config_text: str) -> tuple[int, int]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -113,7 +113,7 @@ def target_params(folder: str) -> tuple[int, int]:
     return _target_params(json.dumps(model_config(folder), sort_keys=True))
 
 
-@kept
+@memoized_on_disk
 def _drafter_params(config_text: str) -> tuple[int]:
     import torch
 
@@ -133,7 +133,7 @@ def bytes_per_position(target: dict[str, Any], aux_layers: int, dtype: str) -> i
     return (aux_layers + 1) * int(target["hidden_size"]) * BYTES.get(dtype, 4) + ID_AND_MASK_BYTES
 
 
-@kept
+@memoized_on_disk
 def _chat_tokens(tokenizer_dir: str, data: str, max_length: int, trust_remote_code: bool, sample_rows: int
                  ) -> tuple[int, int, int]:
     from stages.common.data.chat import batched, encode_chats, load_tokenizer, read_conversations
@@ -180,7 +180,7 @@ def measured_tflops(threads: int | None) -> float:
     return _measured_tflops(threads, cpu_model(), os.cpu_count() or 1, version("torch"))[0]
 
 
-@kept
+@memoized_on_disk
 def _measured_tflops(threads: int | None, _cpu: str, _cores: int, _torch: str) -> tuple[float]:
     import torch
 
@@ -273,7 +273,7 @@ def draft_vocab_size(vocab_map: str | None) -> int | None:
     return load_vocab_map(vocab_map).draft_vocab_size
 
 
-@kept
+@memoized_on_disk
 def _rank_memory(config_text: str, micro_batch: int, seq: int, ttt_steps: int, zero_stage: int, gpus_per_node: int,
                  nodes: int, bf16: bool) -> tuple[int, int, int]:
     import torch

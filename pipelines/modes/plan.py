@@ -204,7 +204,7 @@ def memory_problems(node: Node, config: DictConfig, figures: Estimate, plan: Dic
 def plan_pipeline(cfg: DictConfig, run_dir: Path, console: Console) -> dict[str, Any]:
     """The plan of this config: checked, its DAG with cache states, resources and estimates; written to
     `run_dir/plan.json` (and the Slurm batch scripts). Returns what plan.json holds."""
-    estimates.KEPT = Path(cfg.paths.outputs) / "estimates"
+    estimates.COUNTS_FOLDER = Path(cfg.paths.outputs) / "estimates"
     datasets = settle_data(cfg, fetch=False)  # by name; fetched by the run, not the plan
     nodes = build_nodes(cfg)
     launcher = make_launcher(cfg.launcher, run_dir / "jobs")

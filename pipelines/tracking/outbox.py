@@ -221,7 +221,7 @@ class Outbox:
         """Wait until every record of the letter is sent or kept (bounded by the http timeouts), and say in one line
         what was kept and how it will be sent."""
         self.wait(letter)
-        say(self.console, self.closing_words(letter))
+        print_tracking_line(self.console, self.closing_words(letter))
 
     def wait(self, letter: Letter) -> None:
         with self.changed:
@@ -248,10 +248,10 @@ class Outbox:
 
     def catch_up(self) -> None:
         for words in catch_up_store(self.store, self.cfg):
-            say(self.console, words)
+            print_tracking_line(self.console, words)
 
 
-def say(console: Console, words: str | None) -> None:
+def print_tracking_line(console: Console, words: str | None) -> None:
     if words:
         console.print(f"[yellow]tracking:[/yellow] {words}", highlight=False, soft_wrap=True)
 

@@ -214,13 +214,13 @@ class StoreWriter:
         # The run that computed an output does not wait for others, but it too checks under the lock: its own
         # records may reach the store after a hit's (each run's outbox sends in its own time), and then the hit
         # uploaded first.
-        holder = self.artifacts_holder(run_id, stage, key, out, wait_s=60.0 if outcome["hit"] else 0.0)
+        uploader = self.run_with_artifacts_or_upload(run_id, stage, key, out, wait_s=60.0 if outcome["hit"] else 0.0)
         if outcome["hit"]:
-            seconds, tags["stage_seconds_from"] = self.original_seconds(holder, out)
+            seconds, tags["stage_seconds_from"] = self.original_seconds(uploader, out)
         else:
             seconds = outcome["seconds"]
-        tags.update(artifacts_run=holder.info.run_id if holder else run_id,
-                    artifacts="uploaded" if holder is None else f"in run {holder.info.run_id} (uploaded first)")
+        tags.update(artifacts_run=uploader.info.run_id if uploader else run_id,
+                    artifacts="uploaded" if uploader is None else f"in run {uploader.info.run_id} (uploaded first)")
         if seconds is not None:
             rows.append(("stage_seconds", float(seconds), 0))
         self.log_metrics(run_id, rows, at)
@@ -244,7 +244,7 @@ class StoreWriter:
 
     # --- cache hits: one upload per output per store -------------------------------------------------------------
 
-    def holder(self, stage: str, key: str, computation: str) -> Any:
+    def run_with_artifacts(self, stage: str, key: str, computation: str) -> Any:
         """The child run that holds the artifacts of this computation of a stage output, if any run in this store
         uploaded them."""
         runs = self.client.search_runs([self.experiment_id], f"tags.stage = '{stage}' and tags.cache_key = '{key}' "
@@ -261,7 +261,7 @@ class StoreWriter:
                                        f"and attributes.start_time > {since}", max_results=10)
         return any(run.info.run_id != run_id for run in runs)
 
-    def artifacts_holder(self, run_id: str, stage: str, key: str, out: Path, wait_s: float = 60.0) -> Any:
+    def run_with_artifacts_or_upload(self, run_id: str, stage: str, key: str, out: Path, wait_s: float = 60.0) -> Any:
         """The run that holds a cached output's artifacts; None after this run uploaded them, as the first in this
         store. A run that computed the output at the same time is waited for (up to `wait_s`), so its upload is
         the only one; the lock beside the output makes the check and the upload one step among regraft runs."""
@@ -270,9 +270,9 @@ class StoreWriter:
         deadline = time.monotonic() + wait_s
         while True:
             with FileLock(str(out.with_name(out.name + ".mlflow.lock"))):
-                holder = self.holder(stage, key, computed_at(out))
-                if holder is not None:
-                    return holder
+                uploader = self.run_with_artifacts(stage, key, computed_at(out))
+                if uploader is not None:
+                    return uploader
                 if time.monotonic() >= deadline or not self.others_pending(run_id, stage, key):
                     self.log_files(run_id, out)
                     self.set_tags(run_id, {"artifacts_run": run_id, "artifacts": "uploaded",
@@ -281,11 +281,11 @@ class StoreWriter:
             time.sleep(0.5)
 
     @staticmethod
-    def original_seconds(holder: Any, out: Path) -> tuple[float | None, str]:
+    def original_seconds(uploader: Any, out: Path) -> tuple[float | None, str]:
         """A hit's `stage_seconds`: those of the run that computed it, else the manifest's span; and which."""
-        if holder is not None and holder.data.tags.get("cache_hit") == "false" and \
-                "stage_seconds" in holder.data.metrics:
-            return holder.data.metrics["stage_seconds"], f"cache hit: the seconds of run {holder.info.run_id}, " \
+        if uploader is not None and uploader.data.tags.get("cache_hit") == "false" and \
+                "stage_seconds" in uploader.data.metrics:
+            return uploader.data.metrics["stage_seconds"], f"cache hit: the seconds of run {uploader.info.run_id}, " \
                                                          "which computed it"
         seconds = manifest_seconds(out)
         return seconds, "cache hit: the original run's seconds, from its manifest" if seconds is not None else \

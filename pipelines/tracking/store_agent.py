@@ -10,11 +10,11 @@ the agent over a unix socket: the store is opened and checked once per agent, an
   its own (one per command, as each command's outbox had one), and `close` answers when they are all sent or kept,
   with the store's run ids and the line a command prints when the store stopped answering. The command's output
   is what it was without the agent; only the seconds differ.
-- What gone processes left (kept letters, runs left RUNNING) is caught up once per command, as before.
-- A store that stops answering: the command's records are kept in its letter as before (pipelines/tracking/outbox.py); the
+- What gone processes left (kept letters, runs left RUNNING) is caught up once per command.
+- A store that stops answering: the command's records are kept in its letter (pipelines/tracking/outbox.py); the
   agent then takes no new command and ends when its commands do, so the next command starts a fresh one.
 - The agent ends after `tracking.agent_idle_s` without a command, or when its socket is taken from it; its log is
-  `<socket>.log` in `agent_folder()`. When no agent can be reached, a command opens the store itself, as before.
+  `<socket>.log` in `agent_folder()`. When no agent can be reached, a command opens the store itself.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.tracking.links import runs_link
-from pipelines.tracking.outbox import Letter, Outbox, catch_up_store, first_line, outbox_dir, quick_http, say
+from pipelines.tracking.outbox import Letter, Outbox, catch_up_store, first_line, outbox_dir, quick_http, print_tracking_line
 from pipelines.tracking.store import OpenStore, sqlite_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,7 +163,7 @@ class AgentOutbox:
         letter = Letter(Path(answer["path"]), owner)
         self.streams[id(letter)] = stream
         for words in answer["notes"]:
-            say(self.console, words)
+            print_tracking_line(self.console, words)
         return letter
 
     def put(self, letter: Letter, record: dict[str, Any]) -> None:
@@ -193,7 +193,7 @@ class AgentOutbox:
             return
         letter.ids.update(answer["ids"])
         self.down = self.down or answer["down"]
-        say(self.console, answer["words"])
+        print_tracking_line(self.console, answer["words"])
 
     def close_all(self) -> None:
         pass  # the agent waits for what a command sent before it went away
