@@ -105,7 +105,9 @@ class LauncherConfig:
     node_gpus: Optional[int] = setting(None, at_least=0)
     max_parallel: Optional[int] = setting(None, at_least=1)  # stage jobs at once (local, inline); None: no limit
     threads: Optional[int] = setting(None, at_least=1)  # torch threads per stage; None: cores // max_parallel
-    warm: bool = False  # local: jobs fork from one interpreter that imported torch and the stages once
+    # local: jobs fork from one interpreter that imported torch and the stages once (pipelines/launch/warm/); false:
+    # a fresh interpreter per job. What it buys and costs: docs/speed.md
+    warm: bool = True
     python: Optional[str] = None  # slurm: the command that runs Python in a job; None: this interpreter
     max_num_timeout: int = setting(3, at_least=0)  # slurm: requeues of a resumable stage (finetune) at its time limit
 
@@ -123,9 +125,11 @@ class TrackingConfig:
     timeout_s: float = setting(10.0, at_least=1)
     retries: int = setting(1, at_least=0)
     outbox: str = "${paths.outputs}/outbox"
-    # one process per store keeps MLflow imported and the store open between commands (pipelines/tracking/store_agent.py): a
-    # rerun of cache hits pays neither; it ends after agent_idle_s without a command. false: each command opens it
-    agent: bool = True
+    # one process per store keeps MLflow imported and the store open between commands (pipelines/tracking/store_agent.py):
+    # a rerun of cache hits pays neither; it ends after agent_idle_s without a command. null: one for a store on this
+    # machine (sqlite, a folder), none for a server (http, databricks), where it buys little (docs/speed.md);
+    # false: each command opens the store itself
+    agent: Optional[bool] = None
     agent_idle_s: float = setting(600.0, above=0)
 
 

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from pipelines.tracking.outbox import Outbox
 from pipelines.tracking.run_names import invocation
-from pipelines.tracking.store_agent import agent_settings, listening, socket_path, stop_agents
+from pipelines.tracking.store_agent import agent_settings, listening, socket_path, stop_agents, wants_agent
 from pipelines.tracking.tracker import Tracker
 from stages.common.contract.errors import RegraftError
 
@@ -142,3 +142,21 @@ def test_a_command_whose_agent_went_away_opens_the_store_itself(tmp_path, monkey
     assert MlflowClient(cfg.uri).get_run(tracker.parent_id).data.metrics == {"phase1/accept_len": 4.0}
     assert tracker.runs_link().startswith("http://127.0.0.1:5000/#/experiments/")
     Outbox.opened.clear()
+
+
+@pytest.mark.parametrize("uri, chosen, wanted", [
+    ("sqlite:///outputs/mlflow.db", None, True), ("sqlite:////abs/mlflow.db", None, True),
+    ("file:///srv/mlruns", None, True), ("mlruns", None, True),
+    ("http://mlflow.team:5000", None, False), ("https://mlflow.team", None, False), ("databricks", None, False),
+    ("http://mlflow.team:5000", True, True), ("sqlite:///outputs/mlflow.db", False, False)])
+def test_an_unset_agent_serves_a_store_on_this_machine_and_not_a_server(uri, chosen, wanted):
+    assert wants_agent(OmegaConf.create({"uri": uri, "agent": chosen})) is wanted
+
+
+def test_the_default_agent_serves_the_default_store(tmp_path):
+    cfg = agent_cfg(tmp_path)
+    cfg.agent = None  # the schema's default
+    command(cfg, 1)
+    assert listening(socket_path(agent_settings(cfg)))
+    assert command(cfg, 2)["mlflow_imported"] is False
+

@@ -2,8 +2,8 @@
 
 Opening a store costs a command about 7 s on 2 cores (importing mlflow ~4 s, the SqlAlchemy store's start and its
 schema check ~3 s) while a rerun of cache hits needs about 2 s for everything else. With `tracking.agent=true` (the
-default) the first command on a store starts this agent, detached, and every command after it hands its records to
-the agent over a unix socket: the store is opened and checked once per agent, and the agent is per store version
+default for a store on this machine: `wants_agent`) the first command on a store starts this agent, detached, and
+every command after it hands its records to the agent over a unix socket: the store is opened and checked once per agent, and the agent is per store version
 (its socket's name hashes the store's settings, this code and mlflow's version, so a change starts a new one).
 
 - A command's Tracker is one connection: its records go in order to the agent, which applies them from a thread of
@@ -31,6 +31,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -229,12 +230,24 @@ class AgentOutbox:
                                "command run again logs them as cache hits", highlight=False, soft_wrap=True)
 
 
+def wants_agent(cfg: DictConfig) -> bool:
+    """`tracking.agent`, or where it is null, whether the store is on this machine (a sqlite file, a folder): a
+    server's store is opened in milliseconds, so an agent there saves a command only MLflow's import, and starting
+    it costs the first command more than that (docs/speed.md)."""
+    chosen = cfg.get("agent")
+    if chosen is not None:
+        return bool(chosen)
+    uri = str(cfg.uri)
+    return urlparse(uri).scheme in ("", "file", "sqlite") and not uri.startswith("databricks")  # MLflow's bare word
+
+
 def outbox_for(cfg: DictConfig) -> "Outbox | AgentOutbox":
-    """This process's way to the store, opened once per process: its agent when `tracking.agent`, else (or when no
+    """This process's way to the store, opened once per process: its agent where `wants_agent`, else (or when no
     agent can serve it) a writer thread here (pipelines/tracking/outbox.py)."""
-    key = f"{cfg.uri}\n{cfg.experiment}\n{cfg.get('agent', False)}"
+    agent = wants_agent(cfg)
+    key = f"{cfg.uri}\n{cfg.experiment}\n{agent}"
     if key not in Outbox.opened:
-        reached = AgentOutbox.reach(cfg) if cfg.get("agent", False) else None
+        reached = AgentOutbox.reach(cfg) if agent else None
         Outbox.opened[key] = reached or Outbox(cfg)
     return Outbox.opened[key]
 
