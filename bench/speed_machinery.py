@@ -6,7 +6,8 @@
 - The store's agent (`tracking.agent`, pipelines/tracking/store_agent.py): a warm rerun (every stage a cache hit) with
   it and without it, median of `--repeat`, on the run's own sqlite store and on a real `mlflow server` (an http
   store, as a team shares one); and the command that starts the agent, which pays what a command without it pays.
-- What each costs: its lines of code, and the processes it leaves running once the command has returned.
+- What each costs: its lines of code, and the processes it leaves running once the command has returned (the
+  warm interpreters started and not ended; the store's own agent up or not).
 
     .venv/bin/python bench/speed_machinery.py                      # the default run: two cold runs, ~10 min on 2 cores
     .venv/bin/python bench/speed_machinery.py --override debug=tiny
@@ -36,7 +37,7 @@ from bench.figures import code_commit, cpu_model, write_blocks  # noqa: E402
 
 BLOCK = "speed-machinery"
 MACHINERY = {"launcher.warm": ["pipelines/launch/warm"], "tracking.agent": ["pipelines/tracking/store_agent.py"]}
-PROCESSES = {"launcher.warm": "pipelines.launch.warm.server", "tracking.agent": "pipelines.tracking.store_agent"}
+WARM_SERVER = "pipelines.launch.warm.server"
 SERVER_START_S = 120.0
 
 
@@ -57,7 +58,7 @@ def newest_summary(outputs: Path) -> dict:
 
 
 def running(module: str) -> int:
-    """Processes of this user running `python -m <module>`."""
+    """Processes of this user running `python -m <module>` (what else runs here may start some too)."""
     count = 0
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
@@ -75,12 +76,25 @@ def lines_of(paths: list[str]) -> int:
 
 def cold_run(overrides: list[str], warm: bool, outputs: Path) -> dict:
     """A run with nothing cached; the processes its warm interpreter or agent leave once it returned."""
-    before = {name: running(module) for name, module in PROCESSES.items()}
+    before = running(WARM_SERVER)
     wall = regraft(outputs, f"launcher.warm={str(warm).lower()}", *overrides)
     summary = newest_summary(outputs)
     ran = [stage for stage in summary["stages"].values() if not stage["hit"]]
     return {"wall": wall, "jobs": len(ran), "overhead": sum(stage.get("overhead_seconds") or 0.0 for stage in ran),
-            "left": {name: running(module) - before[name] for name, module in PROCESSES.items()}}
+            "left": running(WARM_SERVER) - before}
+
+
+def agent_listening(outputs: Path, overrides: list[str]) -> int:
+    """1 if the store's own agent (the one these commands reach) is up, else 0."""
+    from hydra import compose, initialize_config_dir
+
+    import pipelines.regraft  # noqa: F401  (registers every schema, for compose)
+    from pipelines.tracking.store_agent import agent_settings, listening, socket_path
+    from stages.common.contract.stage import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"paths.outputs={outputs}", *overrides])
+    return int(listening(socket_path(agent_settings(cfg.tracking))))
 
 
 def reruns(outputs: Path, overrides: list[str], repeat: int, agent: bool) -> dict:
@@ -89,13 +103,12 @@ def reruns(outputs: Path, overrides: list[str], repeat: int, agent: bool) -> dic
     from pipelines.tracking.store_agent import stop_agents
 
     stop_agents(str(outputs))
-    before = running(PROCESSES["tracking.agent"])
     flag = f"tracking.agent={str(agent).lower()}"
     first = regraft(outputs, flag, *overrides)
     walls = [regraft(outputs, flag, *overrides) for _ in range(repeat)]
     if not all(stage["hit"] for stage in newest_summary(outputs)["stages"].values()):
         raise SystemExit(f"the rerun in {outputs} ran stages: not a warm rerun")
-    return {"first": first, "median": statistics.median(walls), "left": running(PROCESSES["tracking.agent"]) - before}
+    return {"first": first, "median": statistics.median(walls), "left": agent_listening(outputs, [flag, *overrides])}
 
 
 def free_port() -> int:
@@ -162,7 +175,9 @@ def table(figures: dict) -> str:
         off_text, bought = (f"{off:8.1f}", f"{off - on:8.1f}") if off is not None else (blank, blank)
         lines.append(f"{name:<{width}}{on:8.1f}{off_text}{bought}")
     lines += ["", f"{'what it costs':<{width}}{'lines':>8}   processes a command leaves running"]
-    left = {"launcher.warm": cold[True]["left"]["launcher.warm"], "tracking.agent": rerun[("sqlite", True)]["left"]}
+    left = {"launcher.warm": f"{cold[True]['left']}",
+            "tracking.agent": f"{rerun[('sqlite', True)]['left']} (sqlite), {rerun[('http', True)]['left']} (http), "
+                              "each until tracking.agent_idle_s without a command"}
     for name, paths in MACHINERY.items():
         lines.append(f"{name:<{width}}{lines_of(paths):8d}   {left[name]}")
     return "\n".join(lines)
