@@ -234,7 +234,9 @@ def wants_agent(cfg: DictConfig) -> bool:
     """`tracking.agent`, or where it is null, whether the store is on this machine (a sqlite file, a folder): a
     server's store is opened in milliseconds, so an agent there saves a command only MLflow's import, and starting
     it costs the first command more than that (docs/speed.md)."""
-    chosen = cfg.get("agent")
+    if "agent" not in cfg:  # a tracking config built without the schema (the outbox command's) opens the store
+        return False
+    chosen = cfg.agent
     if chosen is not None:
         return bool(chosen)
     uri = str(cfg.uri)
