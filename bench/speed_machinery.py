@@ -75,7 +75,7 @@ def lines_of(paths: list[str]) -> int:
 
 
 def cold_run(overrides: list[str], warm: bool, outputs: Path) -> dict:
-    """A run with nothing cached; the processes its warm interpreter or agent leave once it returned."""
+    """A run with nothing cached; the warm interpreters it leaves running once it returned."""
     before = running(WARM_SERVER)
     wall = regraft(outputs, f"launcher.warm={str(warm).lower()}", *overrides)
     summary = newest_summary(outputs)

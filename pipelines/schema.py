@@ -257,6 +257,8 @@ RegraftConfig = root_schema()
 
 
 def register_root() -> None:
+    """The root rebuilt from the registry as it is now; read it as `pipelines.schema.RegraftConfig` at the time of
+    use, not imported by name, so that a stage registered later is in it."""
     global RegraftConfig
     RegraftConfig = root_schema()
     register_schema("regraft", RegraftConfig)
@@ -291,4 +293,4 @@ CHECKS[DataConfig] = check_data
 register_schema("data", DataConfig)
 register_schema("launcher", LauncherConfig)
 register_schema("tracking", TrackingConfig)
-register_root()
+register_schema("regraft", RegraftConfig)

@@ -11,13 +11,14 @@ from typing import Optional
 from omegaconf import MISSING, DictConfig
 
 from stages.common.contract.artifacts import staged_output
-from stages.common.contract.stage import StageResult, register_schema
+from stages.common.contract.stage import StageResult, register_schema, setting
 
 
 @dataclass
 class StampConfig:
     drafter: str = MISSING  # a drafter folder (a fine-tune's output)
     note: str = "stamped"
+    copies: int = setting(1, at_least=1)  # a bound, for the root's check to hold it to
     out: Optional[str] = None
 
 

@@ -65,6 +65,16 @@ def test_a_drafter_step_sits_between_every_fine_tune_and_its_evaluation(stamp, t
     check_graph(finalist, done={"world"})
 
 
+def test_the_root_check_holds_a_registered_stage_to_its_bounds(stamp, tmp_path):
+    import pipelines.schema
+    from stages.common.contract.errors import RegraftError
+    from stages.common.contract.stage import check_config
+
+    check_config(compose(tmp_path), pipelines.schema.RegraftConfig, "")
+    with pytest.raises(RegraftError, match=r"stamp.copies=0: must be >= 1"):
+        check_config(compose(tmp_path, "stamp.copies=0"), pipelines.schema.RegraftConfig, "")
+
+
 def test_an_unknown_stage_group_is_refused_until_registered(tmp_path):
     from hydra.errors import ConfigCompositionException
 

@@ -66,7 +66,7 @@ def entry(stage: str) -> StageEntry:
     """The registered stage of that name (a KeyError names a stage nothing registered)."""
     found = next((candidate for candidate in STAGES if candidate.name == stage), None)
     if found is None:
-        raise KeyError(f"no stage {stage!r} is registered (pipelines/registry.py STAGES)")
+        raise KeyError(f"no stage {stage!r} is registered (pipelines/core/registry.py STAGES)")
     return found
 
 

@@ -36,7 +36,7 @@ from pipelines.core.dag import REFERENCE, Node
 from pipelines.core.registry import schema_module
 from pipelines.launch.base import Launcher
 from pipelines.core.data_sets import unfetched
-from pipelines.schema import RegraftConfig
+import pipelines.schema as root_schema  # its RegraftConfig at check time: register_stage rebuilds it
 from stages.common.engines.credentials import refuse_secrets
 from stages.common.drafter.config import check_drafter_fits_target, target_config
 from stages.common.contract.errors import RegraftError, check_room, disk_full
@@ -273,7 +273,7 @@ def checks_before_any_work(cfg: DictConfig, nodes: list[Node], launcher: Launche
     """Every check above, cheapest first, each raising a RegraftError. `planning`: for pipeline.plan, which submits
     nothing (so needs no Slurm commands here)."""
     checks: list[Callable[[], None]] = [
-        lambda: refuse_secrets(cfg), lambda: check_config(cfg, RegraftConfig, ""),
+        lambda: refuse_secrets(cfg), lambda: check_config(cfg, root_schema.RegraftConfig, ""),
         lambda: launcher.check_machine(planning), lambda: check_outputs_writable(cfg),
         lambda: check_tracking_reachable(cfg), lambda: check_given_inputs(cfg), lambda: check_chat_template(cfg),
         lambda: check_models(cfg)]

@@ -231,9 +231,9 @@ class AgentOutbox:
 
 
 def wants_agent(cfg: DictConfig) -> bool:
-    """`tracking.agent`, or where it is null, whether the store is on this machine (a sqlite file, a folder): a
-    server's store is opened in milliseconds, so an agent there saves a command only MLflow's import, and starting
-    it costs the first command more than that (docs/speed.md)."""
+    """`tracking.agent`, or where it is null, whether the store is on this machine (a sqlite file, a folder): on a
+    server's store an agent saves a rerun less than on sqlite, and the command that starts it pays more than a rerun
+    saves (docs/speed.md's figures), while it stays up on every teammate's machine."""
     if "agent" not in cfg:  # a tracking config built without the schema (the outbox command's) opens the store
         return False
     chosen = cfg.agent
