@@ -58,9 +58,11 @@ $(REF_STAMP):
 	$(REF_VENV)/bin/uv pip install --quiet --python $(REF_VENV)/bin/python $(REF) $(TORCH)
 	$(REF_VENV)/bin/uv pip install --quiet --python $(REF_VENV)/bin/python --no-deps nemo_automodel==0.7.0
 	$(REF_VENV)/bin/uv pip install --quiet --python $(REF_VENV)/bin/python speculators==0.9.0 $(TORCH)
+	# only its lr schedule is run (tests/specforge_lr.py); the rest needs SGLang
+	$(REF_VENV)/bin/uv pip install --quiet --python $(REF_VENV)/bin/python --no-deps specforge==0.2.0
 	# CUDA builds; speculators imports none
 	$(REF_VENV)/bin/uv pip uninstall --quiet --python $(REF_VENV)/bin/python torchvision torchaudio torchcodec
-	$(REF_VENV)/bin/python -c "import nemo_automodel.components.speculative.eagle.core, speculators; print('reference venv ok')"
+	$(REF_VENV)/bin/python -c "import nemo_automodel.components.speculative.eagle.core, speculators; import specforge.lr_scheduler; print('reference venv ok')"
 	touch $(REF_STAMP)
 
 run: $(STAMP)

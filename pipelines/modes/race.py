@@ -65,8 +65,9 @@ class RungRow:
 
 
 def warmup_steps(budget: int, warmup_ratio: float) -> int:
-    """Optimizer steps DeepSpeed's WarmupCosineLR spends warming up (at least 2; the first one at lr 0)."""
-    return max(2, int(warmup_ratio * budget))
+    """Optimizer steps the fine-tune's schedule spends warming up (SpecForge's count, as
+    stages/finetune/loop.py::warmup_steps: the fine-tune imports torch, the race's planning does not)."""
+    return int(warmup_ratio * budget)
 
 
 def rung_steps(race: DictConfig, warmup_ratio: float) -> list[int]:

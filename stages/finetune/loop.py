@@ -10,7 +10,9 @@ split and batches.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -19,9 +21,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 from omegaconf import DictConfig
 from tqdm import tqdm
 
@@ -83,11 +86,30 @@ def deepspeed_config(cfg: DictConfig, total_steps: int, device: torch.device) ->
         "gradient_clipping": ds.gradient_clipping,
         "zero_optimization": {"stage": ds.zero_stage},
         "bf16": {"enabled": bf16},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": max(total_steps, 1), "warmup_num_steps": max(1, int(ds.warmup_ratio * total_steps))}},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+
+
+def warmup_steps(total_steps: int, warmup_ratio: float) -> int:
+    """SpecForge's count (specforge/optimizer.py): `int(warmup_ratio * total_steps)`, zero for a short run."""
+    return int(warmup_ratio * total_steps)
+
+
+def lr_factor(step: int, total_steps: int, warmup: int) -> float:
+    """The share of the peak lr that optimizer step `step + 1` uses: SpecForge 0.2.0's CosineAnnealingWarmupLR,
+    linear `(step + 1) / warmup` over the warmup, then a half cosine from the peak to 0 over the rest. (DeepSpeed's
+    WarmupCosineLR warms up on a log curve from 0, so its first steps train at lr 0.)"""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+
+def lr_schedule(cfg: DictConfig, total_steps: int) -> Callable[[torch.optim.Optimizer], LambdaLR]:
+    """What deepspeed.initialize builds the scheduler with, on the optimizer it wraps; its state goes into
+    DeepSpeed's checkpoints, so a resumed run goes on from the step it stopped at."""
+    warmup = warmup_steps(total_steps, cfg.deepspeed.warmup_ratio)
+    return lambda optimizer: LambdaLR(optimizer, functools.partial(lr_factor, total_steps=total_steps, warmup=warmup))
 
 
 # ---------------------------------------------------------------- data
@@ -276,6 +298,7 @@ def train(cfg: DictConfig, drafter: Eagle3Drafter, target: TargetModel, train_da
                                   weight_decay=cfg.deepspeed.weight_decay)
     device = device_of(drafter)
     engine, _, _, scheduler = deepspeed.initialize(model=drafter, optimizer=optimizer,
+                                                   lr_scheduler=lr_schedule(cfg, total_steps),
                                                    config=deepspeed_config(cfg, total_steps, device))
     checkpoints, best_file = work / "deepspeed", work / "best.pt"
     if cfg.resume and (checkpoints / "latest").exists():

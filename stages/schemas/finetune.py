@@ -43,7 +43,7 @@ class DeepSpeedConfig:
     bf16: Optional[bool] = None  # None: bf16 on GPU, fp32 on CPU
     gradient_accumulation_steps: int = setting(1, at_least=1)
     gradient_clipping: float = setting(0.5, at_least=0)  # 0: no clipping
-    warmup_ratio: float = setting(0.015, at_least=0, at_most=1)  # linear warmup over this share of the steps, then cosine (SpecForge's 0.015)
+    warmup_ratio: float = setting(0.015, at_least=0, at_most=1)  # linear warmup over this share of the steps, then cosine to 0 (SpecForge's schedule and 0.015)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = setting(0.0, at_least=0)
 
