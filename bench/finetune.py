@@ -13,7 +13,7 @@ gather and softmax redone at every step on shifted copies), on the same weights 
 (`specforge`, so the numbers agree): time per step and the peak RSS of a fresh process per variant. The goal is
 regraft's step no slower and its peak memory no higher.
 
-    .venv/bin/python bench/finetune.py [--steps 30] [--warmup 5] [--only throughput|ttt]
+    .venv/bin/python bench/finetune.py [--steps 30] [--warmup 5] [--only throughput|ttt] [--write]
 """
 from __future__ import annotations
 
@@ -130,6 +130,10 @@ def deepspeed_loop(drafter: Eagle3Drafter, target: TargetModel):
 # ---------------------------------------------------------------- one TTT step: regraft against the reference
 
 TTT_VOCAB, TTT_DRAFT_VOCAB, TTT_HIDDEN, TTT_LENGTHS, TTT_REPEATS, TTT_ROUNDS = 32000, 6400, 512, (512, 1024), 3, 2
+# The draft ids' rows of the target's lm_head scaled up, so that its argmax falls in the draft vocab at about 95% of
+# positions, as a top-N draft vocab covers a real target's tokens (with plain random rows it would be N / V = 20%,
+# and a step that skips the positions without a loss would look faster than it is on real data).
+DRAFT_ROW_SCALE = 1.3
 
 
 def ttt_world(length: int) -> dict:
@@ -148,7 +152,9 @@ def ttt_world(length: int) -> dict:
     loss_mask = torch.zeros(1, length, dtype=torch.bool)
     loss_mask[:, length // 10:length * 55 // 100] = True
     loss_mask[:, length * 60 // 100:length - 1] = True
-    return {"drafter": drafter, "embed": embedding, "lm_head": torch.randn(V, H, generator=generator) * 0.2,
+    lm_head = torch.randn(V, H, generator=generator) * 0.2
+    lm_head[ids] *= DRAFT_ROW_SCALE
+    return {"drafter": drafter, "embed": embedding, "lm_head": lm_head,
             "input_ids": torch.randint(0, V, (1, length), generator=generator), "loss_mask": loss_mask,
             "aux": torch.randn(1, length, 3 * H, generator=generator),
             "last_hidden": torch.randn(1, length, H, generator=generator)}
@@ -214,39 +220,76 @@ def ttt_variant(variant: str, length: int, repeats: int, steps: int) -> dict:
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     grads = [p.grad for p in world["drafter"].parameters() if p.grad is not None]
-    return {"variant": variant, "length": length, "seconds": min(seconds[1:]), "cpu": min(cpu[1:]), "setup_mb": setup,
+    signals = TargetSignals.from_hidden(world["last_hidden"], world["lm_head"], draft_vocab_ids(world["drafter"]))
+    with_loss = world["loss_mask"] & world["drafter"].t2d[signals.argmax]
+    return {"variant": variant, "with_loss": float(with_loss.float().mean()), "length": length,
+            "seconds": min(seconds[1:]), "cpu": min(cpu[1:]), "setup_mb": setup,
             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "losses": losses.tolist(),
             "grad_norm": float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))}
 
 
-def ttt_table(repeats: int) -> Table:
-    table = Table(title=f"one TTT step, forward + backward (CPU, 1 thread, batch 1, TTT {TTT_STEPS}, vocab "
-                        f"{TTT_VOCAB:,}, draft vocab {TTT_DRAFT_VOCAB:,}, hidden {TTT_HIDDEN}; the best of {repeats} "
-                        f"steps in each of {TTT_ROUNDS} fresh processes per variant, run alternately)")
-    for column in ("T", "variant", "CPU s / step", "wall s / step", "CPU time vs reference", "peak RSS",
-                   "peak over setup", "max |loss_k - ref|", "grad norm"):
-        table.add_column(column, justify="right")
+def ttt_results(repeats: int) -> dict[int, dict[str, dict]]:
+    """Per length, each variant's best CPU and wall seconds over TTT_ROUNDS fresh processes run alternately (so a
+    busy machine slows both alike), its peak RSS, losses and gradient norm."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    by_length: dict[int, dict[str, dict]] = {}
     for length in TTT_LENGTHS:
-        results: dict[str, dict] = {}
-        for _ in range(TTT_ROUNDS):  # alternately, so a busy machine slows both alike
+        results = by_length.setdefault(length, {})
+        for _ in range(TTT_ROUNDS):
             for variant in ("reference", "regraft"):
                 done = subprocess.run([sys.executable, __file__, "--ttt-variant", variant, "--length", str(length),
                                        "--repeats", str(repeats)], env=env, capture_output=True, text=True,
-                                      check=True)
+                                      check=True, timeout=1800)
                 run = json.loads(done.stdout.strip().splitlines()[-1])
                 kept = results.setdefault(variant, run)
                 kept["seconds"], kept["cpu"] = min(kept["seconds"], run["seconds"]), min(kept["cpu"], run["cpu"])
                 kept["peak_mb"], kept["setup_mb"] = max(kept["peak_mb"], run["peak_mb"]), run["setup_mb"]
+    return by_length
+
+
+TTT_COLUMNS = ("T", "variant", "CPU s / step", "wall s / step", "CPU time vs reference", "peak RSS",
+               "peak RSS vs reference", "peak over setup", "max |loss_k - ref|", "grad norm")
+
+
+def ttt_rows(by_length: dict[int, dict[str, dict]]) -> list[tuple[str, ...]]:
+    rows = []
+    for length, results in by_length.items():
         reference = results["reference"]
         for variant in ("reference", "regraft"):
             r = results[variant]
             gap = max(abs(a - b) for a, b in zip(r["losses"], reference["losses"]))
-            table.add_row(f"{length:,}", variant, f"{r['cpu']:.2f}", f"{r['seconds']:.2f}",
-                          f"{r['cpu'] / reference['cpu']:.2f}x",
-                          f"{r['peak_mb']:,.0f} MB", f"{r['peak_mb'] - r['setup_mb']:,.0f} MB", f"{gap:.1e}",
-                          f"{r['grad_norm']:.5f}")
+            rows.append((f"{length:,}", variant, f"{r['cpu']:.2f}", f"{r['seconds']:.2f}",
+                         f"{r['cpu'] / reference['cpu']:.2f}x", f"{r['peak_mb']:,.0f} MB",
+                         f"{r['peak_mb'] / reference['peak_mb']:.2f}x", f"{r['peak_mb'] - r['setup_mb']:,.0f} MB",
+                         f"{gap:.1e}", f"{r['grad_norm']:.5f}"))
+    return rows
+
+
+def ttt_title(by_length: dict[int, dict[str, dict]], repeats: int) -> str:
+    share = next(iter(by_length.values()))["regraft"]["with_loss"]
+    return (f"one TTT step, forward + backward (CPU, 1 thread, batch 1, TTT {TTT_STEPS}, vocab {TTT_VOCAB:,}, draft "
+            f"vocab {TTT_DRAFT_VOCAB:,}, hidden {TTT_HIDDEN}, loss mask `specforge`, about {share:.0%} of positions "
+            f"with a loss; the best of {repeats} steps in each of {TTT_ROUNDS} fresh processes per variant, run "
+            "alternately)")
+
+
+def ttt_table(by_length: dict[int, dict[str, dict]], repeats: int) -> Table:
+    table = Table(title=ttt_title(by_length, repeats))
+    for column in TTT_COLUMNS:
+        table.add_column(column, justify="right")
+    for row in ttt_rows(by_length):
+        table.add_row(*row)
     return table
+
+
+def ttt_block(by_length: dict[int, dict[str, dict]], repeats: int) -> str:
+    from bench.figures import code_commit, cpu_model
+
+    lines = ["| " + " | ".join(TTT_COLUMNS) + " |", "|" + "---|" * len(TTT_COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in ttt_rows(by_length)]
+    return "\n".join([ttt_title(by_length, repeats)[0].upper() + ttt_title(by_length, repeats)[1:] + ":", "",
+                      *lines, "", f"`bench/finetune.py --only ttt --write`, written by the script on "
+                      f"{time.strftime('%Y-%m-%d')} at commit {code_commit()}, on {cpu_model()}."])
 
 
 def main() -> int:
@@ -255,6 +298,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--only", choices=("throughput", "ttt"), help="run one of the two tables")
     parser.add_argument("--repeats", type=int, default=TTT_REPEATS, help="timed TTT steps per variant")
+    parser.add_argument("--write", action="store_true", help="write the TTT table into docs/results.md (ttt-step)")
     parser.add_argument("--ttt-variant", choices=("regraft", "reference"), help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, default=TTT_LENGTHS[0], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -262,7 +306,12 @@ def main() -> int:
         print(json.dumps(ttt_variant(args.ttt_variant, args.length, args.repeats, TTT_STEPS)))
         return 0
     if args.only != "throughput":
-        Console(width=150).print(ttt_table(args.repeats))
+        by_length = ttt_results(args.repeats)
+        Console(width=150).print(ttt_table(by_length, args.repeats))
+        if args.write:
+            from bench.figures import write_blocks
+
+            write_blocks({"ttt-step": ttt_block(by_length, args.repeats)})
     if args.only == "ttt":
         return 0
     torch.set_num_threads(2)

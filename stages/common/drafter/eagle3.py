@@ -279,9 +279,10 @@ class Eagle3DecoderLayer(nn.Module):
 
 @dataclass
 class DraftOutput:
-    logits: torch.Tensor  # [B, T, draft_vocab]
+    logits: torch.Tensor | None  # [B, T, draft_vocab]; None where the caller asked for `normed` only
     hidden: torch.Tensor  # [B, T, H], the next draft step's input: the layer output before `norm` (after it with
     # EAGLE-3.1's norm_output)
+    normed: torch.Tensor  # [B, T, H], what lm_head reads
 
 
 class Eagle3Drafter(nn.Module):
@@ -355,13 +356,16 @@ class Eagle3Drafter(nn.Module):
         return self.fc(self.aux_as_fc_reads(aux_hidden.to(self.fc.weight.dtype)))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cache: KVCache | TTTCache | None = None, attention_mask: torch.Tensor | None = None) -> DraftOutput:
+                cache: KVCache | TTTCache | None = None, attention_mask: torch.Tensor | None = None,
+                head: bool = True) -> DraftOutput:
+        """`head=False` leaves the logits to the caller (training takes lm_head only at the positions with a loss)."""
         if position_ids is None:
             start = cache.length if isinstance(cache, KVCache) else 0
             position_ids = torch.arange(start, start + embeds.shape[1], device=embeds.device)[None]
         out = self.midlayer(embeds.to(self.fc.weight.dtype), hidden, position_ids, cache, attention_mask)
         normed = self.norm(out)
-        return DraftOutput(logits=self.lm_head(normed), hidden=normed if self.config.norm_output else out)
+        return DraftOutput(logits=self.lm_head(normed) if head else None,
+                           hidden=normed if self.config.norm_output else out, normed=normed)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[draft_ids] + draft_ids

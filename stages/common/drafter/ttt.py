@@ -18,7 +18,10 @@ Step k has labels at t <= T-2-k (the target's logits at t+1+k, the last one pred
 `drafted` counts that token as outside the mask.
 
 The target-side work runs once per batch (`TargetSignals`: the full-vocab argmax, the draft-vocab logits; here the
-in-draft-vocab check and the fp32 softmax); each step takes views shifted by k.
+in-draft-vocab check and the fp32 softmax); each step takes views shifted by k. The drafter's lm_head runs only at the
+positions that carry a loss (the others add nothing to the loss and count as wrong), and the soft cross-entropy
+keeps only those logits for its backward (`SoftCrossEntropy`), so neither the time nor the memory of the draft-vocab
+head grows with the positions the mask leaves out.
 
 Metrics come back as counts, so batches and ranks add up exactly: `full_acc_k` (right at step k over the positions
 the mask admits), `cond_acc_k` (right at step k where steps 0..k-1 were all right, over admitted positions where
@@ -30,13 +33,52 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from stages.common.drafter.eagle3 import Eagle3Drafter, TTTCache
 from stages.common.drafter.loss_mask import LossMask
 from stages.common.drafter.target import TargetSignals
 
 DECAY = 0.8  # weight of draft step k's loss is DECAY**k
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """`-sum_rows sum_j p_j log softmax(z)_j` over the rows `index` picks from the target's draft-vocab
+    probabilities, whose gradient is `softmax(z) * sum_j p_j - p`: the backward keeps the logits alone and gathers
+    p again, instead of autograd keeping the logits, their log-softmax and a copy of p per draft step."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target_p: torch.Tensor, index: tuple[torch.Tensor, ...] | None
+                ) -> torch.Tensor:
+        ctx.index = index
+        ctx.save_for_backward(logits, target_p)
+        return -(gather_rows(target_p, index) * torch.log_softmax(logits.float(), dim=-1)).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, target_p = ctx.saved_tensors
+        p = gather_rows(target_p, ctx.index)
+        grad_logits = (torch.softmax(logits.float(), dim=-1) * p.sum(-1, keepdim=True) - p) * grad
+        return grad_logits.to(logits.dtype), None, None
+
+
+def admitted(mask: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The positions a [B, L] mask admits, as indices; None on the meta device, where their count is unknown and
+    every position is taken (memory.py's estimate: an upper bound)."""
+    return None if mask.device.type == "meta" else mask.nonzero(as_tuple=True)
+
+
+def gather_rows(x: torch.Tensor, index: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """[B, L, ...] -> [rows, ...] at `index` (every position where None)."""
+    return x.flatten(0, 1) if index is None else x[index]
+
+
+def scatter_rows(values: torch.Tensor, index: tuple[torch.Tensor, ...] | None, shape: torch.Size) -> torch.Tensor:
+    """The inverse of gather_rows for one value per row, the rest False."""
+    if index is None:
+        return values.reshape(shape)
+    placed = torch.zeros(shape, dtype=values.dtype, device=values.device)
+    placed[index] = values
+    return placed
 
 
 def shift_left(x: torch.Tensor, steps: int) -> torch.Tensor:
@@ -127,11 +169,12 @@ def ttt_forward(drafter: Eagle3Drafter, embed: Callable[[torch.Tensor], torch.Te
         L = max(T - 1 - k, 0)  # positions t with a label for token t+2+k: the target's logits at t+1+k
         gate = gates[k]
         position_mask = gate & in_vocab[:, 1 + k:]
-        out = drafter(embed(shift_left(input_ids, 1 + k)), hidden, positions + k, cache=cache)
-        logits = out.logits[:, :L]
-        log_p = F.log_softmax(logits.float(), dim=-1)
-        loss_k = -(position_mask * (target_p[:, 1 + k:] * log_p).sum(-1)).sum() / (B * T)
-        right = (logits.argmax(-1) == target_top[:, 1 + k:]) & position_mask
+        out = drafter(embed(shift_left(input_ids, 1 + k)), hidden, positions + k, cache=cache, head=False)
+        rows = admitted(position_mask)
+        logits = drafter.lm_head(gather_rows(out.normed[:, :L], rows))  # [rows, N]
+        loss_k = SoftCrossEntropy.apply(logits, target_p[:, 1 + k:], rows) / (B * T)
+        right = scatter_rows(logits.argmax(-1) == gather_rows(target_top[:, 1 + k:], rows), rows,
+                             position_mask.shape) & position_mask
         so_far = all_right_so_far[:, :L]
         stats["correct"].append(right.sum())
         stats["valid"].append(gate.sum())
