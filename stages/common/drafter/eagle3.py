@@ -112,9 +112,10 @@ def explicit_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: li
     scale, T, groups = q.shape[-1] ** -0.5, q.shape[2], q.shape[1] // keys[0].shape[1]
     keys = [step_keys.repeat_interleave(groups, dim=1) for step_keys in keys]
     values = [step_values.repeat_interleave(groups, dim=1) for step_values in values]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    prefix = (q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
-    diagonal = torch.stack([(q * step_keys).sum(-1) * scale for step_keys in keys[1:]], dim=-1)  # [B, h, T, k]
+    above = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    q = q * scale  # scaled before the product, and the mask applied in place: one [B, h, T, T] tensor, not three
+    prefix = (q @ keys[0].transpose(-1, -2)).masked_fill_(above, float("-inf"))
+    diagonal = torch.stack([(q * step_keys).sum(-1) for step_keys in keys[1:]], dim=-1)  # [B, h, T, k]
     weights = torch.softmax(torch.cat((prefix, diagonal), dim=-1).float(), dim=-1).to(q.dtype)
     out = weights[..., :T] @ values[0]
     for step, step_values in enumerate(values[1:]):
