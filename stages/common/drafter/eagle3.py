@@ -110,8 +110,9 @@ def ttt_mask(T: int, steps: int, device: torch.device) -> torch.Tensor:
 def explicit_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """The TTT attention with its scores built out: [B, heads, T, T] over step 0's keys, one score per later step."""
     scale, T, groups = q.shape[-1] ** -0.5, q.shape[2], q.shape[1] // keys[0].shape[1]
-    keys = [step_keys.repeat_interleave(groups, dim=1) for step_keys in keys]
-    values = [step_values.repeat_interleave(groups, dim=1) for step_values in values]
+    if groups > 1:  # repeat_interleave copies even by 1, and every step's diagonal product keeps its copy
+        keys = [step_keys.repeat_interleave(groups, dim=1) for step_keys in keys]
+        values = [step_values.repeat_interleave(groups, dim=1) for step_values in values]
     above = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     q = q * scale  # scaled before the product, and the mask applied in place: one [B, h, T, T] tensor, not three
     prefix = (q @ keys[0].transpose(-1, -2)).masked_fill_(above, float("-inf"))
