@@ -118,9 +118,11 @@ def explicit_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: li
     prefix = (q @ keys[0].transpose(-1, -2)).masked_fill_(above, float("-inf"))
     diagonal = torch.stack([(q * step_keys).sum(-1) for step_keys in keys[1:]], dim=-1)  # [B, h, T, k]
     weights = torch.softmax(torch.cat((prefix, diagonal), dim=-1).float(), dim=-1).to(q.dtype)
-    out = weights[..., :T] @ values[0]
-    for step, step_values in enumerate(values[1:]):
-        out = out + weights[..., T + step, None] * step_values
+    # split, not indexed per step: its backward builds one [B, h, T, T + k] gradient where indexing built one a step
+    prefix_weights, diagonal_weights = weights.split([T, len(keys) - 1], dim=-1)
+    out = prefix_weights @ values[0]
+    if len(values) > 1:
+        out = out + (diagonal_weights.unsqueeze(-1) * torch.stack(values[1:], dim=-2)).sum(-2)
     return out
 
 

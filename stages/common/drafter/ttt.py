@@ -51,13 +51,15 @@ class SoftCrossEntropy(torch.autograd.Function):
                 ) -> torch.Tensor:
         ctx.index = index
         ctx.save_for_backward(logits, target_p)
-        return -(gather_rows(target_p, index) * torch.log_softmax(logits.float(), dim=-1)).sum()
+        z, p = logits.float(), gather_rows(target_p, index)
+        # sum p log softmax(z) = sum p z - sum_rows (sum_j p_j) logsumexp(z): no [rows, N] product built
+        return (p.sum(-1) * torch.logsumexp(z, dim=-1)).sum() - torch.vdot(p.flatten(), z.flatten())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         logits, target_p = ctx.saved_tensors
         p = gather_rows(target_p, ctx.index)
-        grad_logits = (torch.softmax(logits.float(), dim=-1) * p.sum(-1, keepdim=True) - p) * grad
+        grad_logits = torch.softmax(logits.float(), dim=-1).mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(grad)
         return grad_logits.to(logits.dtype), None, None
 
 
