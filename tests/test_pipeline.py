@@ -109,6 +109,8 @@ def test_every_stage_runs_once_through_submitit_and_is_tracked(first_run, output
     assert finetune.data.tags["stage"] == "finetune" and finetune.data.tags["phase"] == "1"
     history = client.get_metric_history(finetune.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    lrs = [m.value for m in sorted(client.get_metric_history(finetune.info.run_id, "train/lr"), key=lambda m: m.step)]
+    assert len(lrs) == 4 and min(lrs) > 0 and max(lrs) == pytest.approx(0.003)  # every step trains (no lr 0)
     assert finetune.data.metrics["val/full_acc_0"] == stages["finetune"]["metrics"]["val_full_acc_0"]
     assert numbers["phase1/val_acc_0"] == stages["finetune"]["metrics"]["val_full_acc_0"]
     names = set(finetune.data.metrics)  # one name per figure: no `val.loss` beside `val_loss`
