@@ -248,7 +248,7 @@ def ttt_results(repeats: int) -> dict[int, dict[str, dict]]:
 
 
 TTT_COLUMNS = ("T", "variant", "CPU s / step", "wall s / step", "CPU time vs reference", "peak RSS",
-               "peak RSS vs reference", "peak over setup", "max |loss_k - ref|", "grad norm")
+               "peak RSS vs reference", "peak over setup", "largest loss_k gap to reference", "grad norm")
 
 
 def ttt_rows(by_length: dict[int, dict[str, dict]]) -> list[tuple[str, ...]]:
@@ -289,7 +289,7 @@ def ttt_block(by_length: dict[int, dict[str, dict]], repeats: int) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in ttt_rows(by_length)]
     return "\n".join([ttt_title(by_length, repeats)[0].upper() + ttt_title(by_length, repeats)[1:] + ":", "",
                       *lines, "", f"`bench/finetune.py --only ttt --write`, written by the script on "
-                      f"{time.strftime('%Y-%m-%d')} at commit {code_commit()}, on {cpu_model()}."])
+                      f"{time.strftime('%Y-%m-%d')} at commit {code_commit()}, on {cpu_model()}.", ""])
 
 
 def main() -> int:
