@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from stages import finetune, probe
 from stages.common.drafter.checkpoint import convert_checkpoint
 from stages.common.drafter.config import OUTPUT_OF_LAYER
+from stages.common.drafter.eagle3 import Eagle3Drafter
 from stages.common.contract.errors import RegraftError
 from stages.common.contract.stage import compose_stage
 from stages.common.engines.vllm_engine import VllmConfig, VllmEngine, cpu_build, engine_available
@@ -86,27 +88,49 @@ def test_vllm_is_served_the_drafter_in_its_own_convention(both, engine_scratch_r
     assert served["speculators_config"]["verifier"]["name_or_path"]
 
 
-def test_a_drafter_served_one_layer_off_accepts_differently(both, engine_target, engine_scratch_run, tmp_path):
-    """Served with output-of-layer ids (what `--layout speculators` wrote before), vLLM feeds the drafter each aux
-    state one layer early: the answers stay lossless, the acceptance leaves the hf backend's."""
-    out = both[0]
-    wrong = convert_checkpoint(engine_scratch_run[0] / "drafter", tmp_path / "wrong", "speculators", OUTPUT_OF_LAYER)
-    first_turns = [row for row in csv.DictReader((out / "hf" / "per_prompt.csv").open()) if row["turn"] == "0"]
-    tokenizer = probe.load_tokenizer(engine_target)
-    render = probe.chat_renderer(tokenizer)
-    users = {0: "alpha", 1: "kilo", 2: "bravo charlie", 3: "lima"}  # the fixture's first turns, in file order
-    with VllmEngine(VllmConfig(), tmp_path / "engine.log") as engine:
-        engine.start(engine_target, speculative={"method": "eagle3", "model": str(wrong),
-                                                  "num_speculative_tokens": STEPS})
-        steps = []
-        for row in first_turns:
-            ids = tokenizer.encode(render([{"role": "user", "content": users[int(row["conversation"])]}]),
-                                   add_special_tokens=False)
+def verify_steps_served(drafter: Path, target: Path, prompts: list[list[int]], log: Path) -> tuple[list, list]:
+    """vLLM serving `drafter` beside `target`: each prompt's greedy answer (24 tokens) and its verify steps."""
+    with VllmEngine(VllmConfig(), log) as engine:
+        engine.start(target, speculative={"method": "eagle3", "model": str(drafter), "num_speculative_tokens": STEPS})
+        answers, steps = [], []
+        for ids in prompts:
             before = engine.generate([ids[:2]], 1)["counters"]["vllm:spec_decode_num_drafts"]
             answer = engine.generate([ids], 24)
-            assert tokenizer.decode(answer["outputs"][0], skip_special_tokens=True) == row["text"]  # lossless
+            answers.append(answer["outputs"][0])
             steps.append(1 + answer["counters"]["vllm:spec_decode_num_drafts"] - before)
-    assert steps != [int(row["verify_steps"]) for row in first_turns]
+    return answers, steps
+
+
+def aux_states_only(drafter: Path, out: Path) -> Path:
+    """The drafter with the token-embedding columns of its attention's input projections zeroed: it drafts from
+    the target's aux states (and its own recurrence) only."""
+    model = Eagle3Drafter.from_checkpoint(drafter)
+    width = model.config.hidden_size
+    with torch.no_grad():
+        for projection in model.midlayer.self_attn.input_projections():
+            projection.weight[:, :width] = 0  # the input is cat(input_layernorm(embeds), hidden_norm(hidden))
+    return model.save(out)
+
+
+def test_a_drafter_served_one_layer_off_accepts_differently(engine_target, engine_scratch_run, tmp_path):
+    """Served with output-of-layer ids (what `--layout speculators` wrote before), vLLM feeds the drafter each aux
+    state one layer early: the answers stay lossless, the acceptance leaves that of the drafter served as exported
+    (which is the hf backend's: test_vllm_accepts_exactly_what_the_hf_backend_accepts). The prompts mix the
+    fixture's words in orders it never trained on, and the drafter reads no token embedding (the fixture's drafter
+    with the embedding half of its attention inputs zeroed): the tiny fixture's drafter drafts its answers from
+    the tokens alone, so where its aux states come from would change nothing it drafts."""
+    drafter = aux_states_only(engine_scratch_run[0] / "drafter", tmp_path / "aux_only")
+    right = convert_checkpoint(drafter, tmp_path / "right", "speculators")
+    wrong = convert_checkpoint(drafter, tmp_path / "wrong", "speculators", OUTPUT_OF_LAYER)
+    tokenizer = probe.load_tokenizer(engine_target)
+    render = probe.chat_renderer(tokenizer)
+    users = ["kilo alpha", "lima bravo", "charlie kilo", "alpha lima bravo", "bravo alpha", "lima kilo charlie"]
+    prompts = [tokenizer.encode(render([{"role": "user", "content": user}]), add_special_tokens=False)
+               for user in users]
+    answers, steps = verify_steps_served(right, engine_target, prompts, tmp_path / "right.log")
+    answers_wrong, steps_wrong = verify_steps_served(wrong, engine_target, prompts, tmp_path / "wrong.log")
+    assert answers_wrong == answers  # lossless either way
+    assert steps_wrong != steps, (steps, steps_wrong)
 
 
 # Measured here (2026-12-03): vLLM 0.32's CPU build loads and serves the MLA drafter beside a tiny DeepSeek-V3 target,

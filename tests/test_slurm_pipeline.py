@@ -256,7 +256,7 @@ def test_a_race_submits_every_rung_with_the_fine_tunes_tasks(sweep, slurm_cluste
     run = outputs / "runs" / "race"
     jobs = submitted(run)
     rungs = sorted(name for name in jobs if name.startswith("race_") and not name.endswith("_evaluate"))
-    assert rungs == [f"race_{init}_lr0.003_step{step}" for init in ("remap", "scratch") for step in (4, 6)], jobs
+    assert rungs == [f"race_{init}_lr0.003_step{step}" for init in ("remap", "scratch") for step in (3, 6)], jobs
     for name in rungs:
         options = sbatch_options(run, jobs[name]["job_id"])
         assert (jobs[name]["tasks"], options["ntasks-per-node"], options["nodes"], options["time"]) == \
