@@ -107,11 +107,14 @@ def vllm_server(rehearsal: Rehearsal):
     """`vllm serve` on the miniature from .venv-vllm (float32, eager), as a context manager yielding its URL."""
     from stages.common.contract.runtime import free_port
     from stages.common.engines.engine_process import ServerProcess
+    from stages.common.engines.vllm_engine import VllmConfig, needs_reference_mla
 
     port = free_port("127.0.0.1")
     command = [str(ROOT / ".venv-vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(rehearsal.target), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
                "--host", "127.0.0.1", "--port", str(port), "--trust-remote-code"]
+    if needs_reference_mla(VllmConfig(), rehearsal.target, "float32"):  # as regraft's own server_command asks
+        command += ["--attention-backend", "CPU_MLA"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     return ServerProcess("vLLM server", command, f"http://127.0.0.1:{port}", rehearsal.work / "server.log",
                          settings="vllm", startup_timeout_s=600, request_timeout_s=60, stop_grace_s=10, env=env)

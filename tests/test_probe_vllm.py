@@ -253,3 +253,26 @@ def test_engines_asked_to_start_one_at_a_time_do(engine_target, tmp_path):
     finally:
         for engine in engines.values():
             engine.stop()
+
+
+def test_a_float32_mla_model_is_served_with_the_reference_mla_backend_on_a_cpu_build(tmp_path):
+    """`vllm serve` on a float32 MLA model asks for CPU_MLA (on an AMX CPU vLLM 0.32 would pick its AMX MLA backend,
+    whose weight packing takes bfloat16 only, and exit at start); a bfloat16 one, a model without MLA, and a vLLM
+    that is no CPU build are left to vLLM's own choice."""
+    from stages.common.engines.vllm_engine import server_command
+
+    mla, llama = tmp_path / "mla", tmp_path / "llama"
+    for folder, config in ((mla, {"model_type": "deepseek_v3", "kv_lora_rank": 16}), (llama, {"model_type": "llama"})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+
+    def asks_reference(cfg: VllmConfig, model: Path, dtype: str) -> bool:
+        command = server_command(cfg, model, dtype=dtype, host="127.0.0.1", port=8000, max_model_len=None,
+                                 trust_remote_code=False)
+        return command[-2:] == ["--attention-backend", "CPU_MLA"]
+
+    assert cpu_build(VllmConfig())
+    assert asks_reference(VllmConfig(), mla, "float32")
+    assert not asks_reference(VllmConfig(), mla, "bfloat16")
+    assert not asks_reference(VllmConfig(), llama, "float32")
+    assert not asks_reference(VllmConfig(python=str(tmp_path / "no-venv" / "python")), mla, "float32")

@@ -81,7 +81,7 @@ def _vllm() -> list[Reach]:
                used=f"{E}::server_command" if flag not in STATES_FLAGS else f"{S}::serve_command")
              for flag in ("--model", "--dtype", "--host", "--port", "--seed", "--gpu-memory-utilization",
                           "--tensor-parallel-size", "--max-model-len", "--enforce-eager", "--max-num-seqs",
-                          "--trust-remote-code", *STATES_FLAGS)]
+                          "--trust-remote-code", "--attention-backend", *STATES_FLAGS)]
     envs = [r("env", "vllm.envs", name, scope="vllm/envs.py", used=f"{E}::engine_env, VllmEngine.__enter__")
             for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_NO_USAGE_STATS")]
     endpoints = [r("endpoint", "vllm.entrypoints.openai.api_server", path, scope="vllm/entrypoints",

@@ -120,7 +120,23 @@ def server_command(cfg: VllmConfig, model: str | Path, *, dtype: str, host: str,
         command += ["--max-num-seqs", str(cfg.max_num_seqs)]
     if trust_remote_code:
         command.append("--trust-remote-code")
+    if needs_reference_mla(cfg, model, dtype):
+        command += ["--attention-backend", "CPU_MLA"]
     return command
+
+
+def needs_reference_mla(cfg: VllmConfig, model: str | Path, dtype: str) -> bool:
+    """An MLA model served in float32 (or float16) by a vLLM CPU build: on a CPU with AMX vLLM 0.32 picks its AMX
+    MLA backend whatever the dtype, which packs the MLA weights with a kernel taking bfloat16 only, and the server
+    exits at start (seen on an Intel Xeon with AMX); the reference CPU_MLA backend, the one CPUs without AMX get,
+    serves it on every CPU. vllm_worker.py::reference_mla_needed is the in-process engine's twin (it can ask vLLM)."""
+    if dtype in ("bfloat16", "bf16") or cpu_build(cfg) is None:
+        return False
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "kv_lora_rank" in {**config, **config.get("text_config", {})}
 
 
 def start_lock(cfg: VllmConfig) -> FileLock | None:
