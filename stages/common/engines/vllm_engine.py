@@ -130,13 +130,9 @@ def needs_reference_mla(cfg: VllmConfig, model: str | Path, dtype: str) -> bool:
     MLA backend whatever the dtype, which packs the MLA weights with a kernel taking bfloat16 only, and the server
     exits at start (seen on an Intel Xeon with AMX); the reference CPU_MLA backend, the one CPUs without AMX get,
     serves it on every CPU. vllm_worker.py::reference_mla_needed is the in-process engine's twin (it can ask vLLM)."""
-    if dtype in ("bfloat16", "bf16") or cpu_build(cfg) is None:
-        return False
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return "kv_lora_rank" in {**config, **config.get("text_config", {})}
+    from stages.common.engines.vllm_worker import is_mla_model  # standard library only at import
+
+    return dtype not in ("bfloat16", "bf16") and cpu_build(cfg) is not None and is_mla_model(model)
 
 
 def start_lock(cfg: VllmConfig) -> FileLock | None:

@@ -79,8 +79,11 @@ def reference_mla_needed(dtype: str | None, model: str) -> bool:
     engine would not start. Such a model asks for the reference CPU_MLA backend, the one CPUs without AMX get."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() or dtype in ("bfloat16", "bf16"):
-        return False
+    return current_platform.is_cpu() and dtype not in ("bfloat16", "bf16") and is_mla_model(model)
+
+
+def is_mla_model(model: str | os.PathLike) -> bool:
+    """The model folder's config.json has MLA's kv_lora_rank (at its top or in its text_config)."""
     try:
         with open(os.path.join(model, "config.json")) as config:
             text = json.load(config)
