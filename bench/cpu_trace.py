@@ -236,8 +236,12 @@ def default_name() -> Path:
 
 
 def load(path: Path) -> dict:
-    with gzip.open(path, "rt") as file:
-        return json.load(file)
+    try:
+        with gzip.open(path, "rt") as file:
+            return json.load(file)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: {path}: not a record ({type(error).__name__}: {error}) (fix: name a file "
+                         "`bench/cpu_trace.py record` wrote, e.g. one in bench/traces/)") from None
 
 
 @dataclass

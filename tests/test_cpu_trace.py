@@ -53,3 +53,12 @@ def test_a_traced_build_is_the_pinned_world(tmp_path):
     assert len(record["sequence"]) == 500 and record["sequence"][0][0].startswith("aten.")
     ran = [value for value in record["battery"].values() if not value.startswith("error")]
     assert len(ran) > 0.8 * len(record["battery"]) > 1000
+
+
+def test_a_file_that_is_no_record_is_refused_in_one_line(tmp_path):
+    import pytest
+
+    (tmp_path / "plain.json.gz").write_text("not gzip")
+    for bad in (tmp_path / "missing.json.gz", tmp_path / "plain.json.gz"):
+        with pytest.raises(SystemExit, match=f"error: {bad}: not a record .*fix: name a file"):
+            load(bad)
